@@ -193,7 +193,12 @@ impl SamplingParams {
             half_open,
             "must be in [0, 1)",
         )?;
-        check_range("eta_cutoff", self.eta_cutoff, half_open, "must be in [0, 1)")?;
+        check_range(
+            "eta_cutoff",
+            self.eta_cutoff,
+            half_open,
+            "must be in [0, 1)",
+        )?;
         check_range(
             "repetition_penalty",
             self.repetition_penalty,

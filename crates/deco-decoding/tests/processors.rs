@@ -1,5 +1,7 @@
 //! Exact results of every processor on small hand-made distributions.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 mod common;
 
 use std::collections::BTreeMap;
@@ -43,7 +45,11 @@ fn temperature_divides_and_zero_keeps_the_maxima() {
     assert_eq!(run(&t0, &empty(), &[3.0, 1.0, 3.0]), vec![3.0, NINF, 3.0]);
     // 3 / 1e-38 = 3e38 still fits in f32: plain division.
     let small = Temperature::new(1e-38).unwrap();
-    assert!(run(&small, &empty(), &[1.0, 3.0]).iter().all(|x| x.is_finite()));
+    assert!(
+        run(&small, &empty(), &[1.0, 3.0])
+            .iter()
+            .all(|x| x.is_finite())
+    );
     // A temperature so small that l / T overflows: the row is shifted by its max first, so the
     // result is (l - 3) / 1e-39 = [-inf (overflow), 0] with no +inf or NaN.
     let tiny = Temperature::new(1e-39).unwrap();
@@ -61,7 +67,11 @@ fn top_k_keeps_the_k_largest_and_all_ties_at_the_boundary() {
     assert_eq!(out, vec![NINF, 4.0, 3.0, 4.0, NINF]);
     // tie at the boundary: [1, 2, 2, 2] with k = 2 -> k-th largest is 2 -> three tokens kept
     assert_eq!(
-        kept(&run(&TopK::new(2).unwrap(), &empty(), &[1.0, 2.0, 2.0, 2.0])),
+        kept(&run(
+            &TopK::new(2).unwrap(),
+            &empty(),
+            &[1.0, 2.0, 2.0, 2.0]
+        )),
         vec![1, 2, 3]
     );
     // k = 0 disables; k >= vocab is the identity
@@ -215,9 +225,19 @@ fn no_repeat_ngram_by_hand() {
     assert_eq!(out, vec![NINF, 0.0, 0.0, 0.0, NINF]);
     // a history shorter than n bans nothing; n = 0 disables
     let ctx = ProcessContext::new(&[1], &[], &[]);
-    assert!(NoRepeatNGram::new(2).unwrap().banned_tokens(&ctx).is_empty());
+    assert!(
+        NoRepeatNGram::new(2)
+            .unwrap()
+            .banned_tokens(&ctx)
+            .is_empty()
+    );
     let ctx = ProcessContext::new(&[1, 1], &[1], &[]);
-    assert!(NoRepeatNGram::new(0).unwrap().banned_tokens(&ctx).is_empty());
+    assert!(
+        NoRepeatNGram::new(0)
+            .unwrap()
+            .banned_tokens(&ctx)
+            .is_empty()
+    );
 }
 
 #[test]
@@ -230,10 +250,16 @@ fn bad_words_single_and_multi_token_with_eos_exemption() {
     assert_eq!(kept(&out), vec![0, 1, 2, 3, 4, 7, 8, 9]);
     // history ends with 1: ban 2 as well
     let ctx = ProcessContext::new(&[1], &[], &[0]);
-    assert_eq!(kept(&run(&bw, &ctx, &[0.0; 10])), vec![0, 1, 3, 4, 6, 7, 8, 9]);
+    assert_eq!(
+        kept(&run(&bw, &ctx, &[0.0; 10])),
+        vec![0, 1, 3, 4, 6, 7, 8, 9]
+    );
     // without EOS in the context, [0] is banned
     let ctx = ProcessContext::new(&[7], &[], &[]);
-    assert_eq!(kept(&run(&bw, &ctx, &[0.0; 10])), vec![1, 2, 3, 4, 6, 7, 8, 9]);
+    assert_eq!(
+        kept(&run(&bw, &ctx, &[0.0; 10])),
+        vec![1, 2, 3, 4, 6, 7, 8, 9]
+    );
 }
 
 #[test]
@@ -244,7 +270,11 @@ fn logit_bias_adds_and_bans() {
     let err = lb.process(&empty(), &mut l).unwrap_err();
     assert!(matches!(
         err,
-        DecodingError::TokenOutOfRange { token: 2, vocab_size: 2, .. }
+        DecodingError::TokenOutOfRange {
+            token: 2,
+            vocab_size: 2,
+            ..
+        }
     ));
 }
 
@@ -252,10 +282,7 @@ fn logit_bias_adds_and_bans() {
 fn min_new_tokens_blocks_eos_and_stop_ids_until_reached() {
     let m = MinNewTokens::new(3, vec![4]).unwrap();
     let ctx = ProcessContext::new(&[1], &[2, 2], &[0]);
-    assert_eq!(
-        run(&m, &ctx, &[1.0; 5]),
-        vec![NINF, 1.0, 1.0, 1.0, NINF]
-    );
+    assert_eq!(run(&m, &ctx, &[1.0; 5]), vec![NINF, 1.0, 1.0, 1.0, NINF]);
     let ctx = ProcessContext::new(&[1], &[2, 2, 2], &[0]);
     assert_eq!(run(&m, &ctx, &[1.0; 5]), vec![1.0; 5]);
 }
@@ -273,7 +300,12 @@ fn history_ids_out_of_range_are_errors_not_panics() {
         "token id 7 in prompt_ids is out of range for a logits row of size 3"
     );
     let ctx = ProcessContext::new(&[], &[], &[9]);
-    assert!(MinNewTokens::new(1, vec![]).unwrap().process(&ctx, &mut l).is_err());
+    assert!(
+        MinNewTokens::new(1, vec![])
+            .unwrap()
+            .process(&ctx, &mut l)
+            .is_err()
+    );
 }
 
 #[test]
@@ -324,7 +356,12 @@ fn all_neg_inf_rows_are_left_alone_by_warpers() {
         Box::new(EtaCutoff::new(0.5).unwrap()),
     ];
     for w in &warpers {
-        assert_eq!(run(w.as_ref(), &empty(), &row), row.to_vec(), "{}", w.name());
+        assert_eq!(
+            run(w.as_ref(), &empty(), &row),
+            row.to_vec(),
+            "{}",
+            w.name()
+        );
     }
 }
 

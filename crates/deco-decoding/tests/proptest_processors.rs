@@ -4,14 +4,16 @@
 //! The expected sets are computed here from the rule's definition (sorting, counting, brute
 //! force), not by calling the crate's helpers.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 mod common;
 
 use std::collections::HashMap;
 
 use deco_decoding::{
-    BadWordsIds, EpsilonCutoff, EtaCutoff, FrequencyPenalty, LogitsProcessor,
-    LogitsProcessorList, MinP, NoRepeatNGram, PresencePenalty, ProcessContext, RepetitionPenalty,
-    SamplerOrder, SamplingParams, Temperature, TopK, TopP, TypicalP,
+    BadWordsIds, EpsilonCutoff, EtaCutoff, FrequencyPenalty, LogitsProcessor, LogitsProcessorList,
+    MinP, NoRepeatNGram, PresencePenalty, ProcessContext, RepetitionPenalty, SamplerOrder,
+    SamplingParams, Temperature, TopK, TopP, TypicalP,
 };
 use proptest::prelude::*;
 
@@ -28,7 +30,9 @@ fn row() -> impl Strategy<Value = Vec<f32>> {
         ],
         1..48,
     )
-    .prop_filter("at least one finite logit", |v| v.iter().any(|x| x.is_finite()))
+    .prop_filter("at least one finite logit", |v| {
+        v.iter().any(|x| x.is_finite())
+    })
 }
 
 fn apply(p: &dyn LogitsProcessor, ctx: &ProcessContext<'_>, l: &[f32]) -> Vec<f32> {
@@ -58,7 +62,13 @@ fn check_filter(before: &[f32], after: &[f32]) -> Result<Vec<bool>, TestCaseErro
     prop_assert!((q.iter().sum::<f64>() - 1.0).abs() < 1e-9);
     for i in 0..p.len() {
         let expect = if keep[i] { p[i] / mass } else { 0.0 };
-        prop_assert!((q[i] - expect).abs() < 1e-9, "token {}: {} vs {}", i, q[i], expect);
+        prop_assert!(
+            (q[i] - expect).abs() < 1e-9,
+            "token {}: {} vs {}",
+            i,
+            q[i],
+            expect
+        );
     }
     Ok(keep)
 }

@@ -1,11 +1,12 @@
 //! The sampler: goodness of fit (chi-square), seeded determinism, batch independence, greedy
 //! rule, logprobs, errors.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 mod common;
 
 use deco_decoding::{
-    DecodingError, LogitsProcessorList, ProcessContext, Sampler, SamplerOrder, SamplingParams,
-    TopK,
+    DecodingError, LogitsProcessorList, ProcessContext, Sampler, SamplerOrder, SamplingParams, TopK,
 };
 
 const NINF: f32 = f32::NEG_INFINITY;
@@ -110,7 +111,10 @@ fn llama_cpp_order_applies_temperature_after_truncation() {
     let exp = expected(&LOGITS, 2.0, &[1, 3, 5, 7]);
     let (stat, _, pv) = common::chi_square(&c, &exp);
     assert!(pv > P_THRESHOLD, "chi2 = {stat}, p = {pv}, counts = {c:?}");
-    assert_eq!(common::chi_square(&c, &expected(&LOGITS, 2.0, &[0, 1, 3, 5, 7])).2, 0.0);
+    assert_eq!(
+        common::chi_square(&c, &expected(&LOGITS, 2.0, &[0, 1, 3, 5, 7])).2,
+        0.0
+    );
 
     let mut hf = Sampler::new(&p).unwrap();
     assert_eq!(hf.processors().names(), vec!["temperature", "top_p"]);
@@ -295,7 +299,10 @@ fn hand_built_processor_lists_work_with_from_processors() {
     let mut s = Sampler::from_processors(list, false, Some(0), None).unwrap();
     for _ in 0..20 {
         let mut l = LOGITS.to_vec();
-        assert_eq!(s.sample(&ProcessContext::default(), &mut l).unwrap().token, 7);
+        assert_eq!(
+            s.sample(&ProcessContext::default(), &mut l).unwrap().token,
+            7
+        );
     }
     assert!(Sampler::from_processors(LogitsProcessorList::new(), false, None, Some(21)).is_err());
 }

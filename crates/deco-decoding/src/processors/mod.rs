@@ -5,7 +5,7 @@
 //! ("warpers" in Hugging Face: top-k, top-p, min-p, typical, epsilon, eta) set removed tokens
 //! to `-inf`; penalties shift or scale logits. Processors never produce NaN from a row whose
 //! entries are finite or `-inf`, and a row that is already all `-inf` is left unchanged
-//! (the sampler then reports [`DecodingError::NoValidToken`](crate::DecodingError::NoValidToken)).
+//! (the sampler then reports [`DecodingError::NoValidToken`]).
 //!
 //! Every processor is named after, and follows the formula of, the class of Hugging Face
 //! transformers' `generation/logits_process.py` cited in its documentation; deviations are

@@ -90,7 +90,10 @@ impl LogitsProcessor for RepetitionPenalty {
             return Ok(());
         }
         let mut seen = TokenSet::new(logits.len());
-        for (what, ids) in [("prompt_ids", ctx.prompt_ids), ("output_ids", ctx.output_ids)] {
+        for (what, ids) in [
+            ("prompt_ids", ctx.prompt_ids),
+            ("output_ids", ctx.output_ids),
+        ] {
             for &t in ids {
                 let i = check_id(what, t, logits.len())?;
                 if seen.insert(i) {
@@ -179,7 +182,11 @@ impl PresencePenalty {
     /// NaN or infinite.
     pub fn new(presence_penalty: f32) -> Result<Self> {
         if !presence_penalty.is_finite() {
-            return Err(invalid("presence_penalty", "must be finite", presence_penalty));
+            return Err(invalid(
+                "presence_penalty",
+                "must be finite",
+                presence_penalty,
+            ));
         }
         Ok(Self {
             penalty: presence_penalty,

@@ -376,8 +376,10 @@ impl LogitsProcessor for TypicalP {
         };
         let h = entropy(&lp);
         // (token, shifted score, prob)
-        let mut scored: Vec<(usize, f64, f64)> =
-            lp.iter().map(|&(i, l)| (i, (-l - h).abs(), l.exp())).collect();
+        let mut scored: Vec<(usize, f64, f64)> = lp
+            .iter()
+            .map(|&(i, l)| (i, (-l - h).abs(), l.exp()))
+            .collect();
         scored.sort_unstable_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
         let mass = f64::from(self.typical_p);
         let mut cum = 0.0;
@@ -443,7 +445,11 @@ impl EpsilonCutoff {
     /// `epsilon_cutoff` outside `[0, 1)` or NaN; `min_tokens_to_keep == 0`.
     pub fn with_min_tokens_to_keep(epsilon_cutoff: f32, min_tokens_to_keep: usize) -> Result<Self> {
         if !(0.0..1.0).contains(&epsilon_cutoff) {
-            return Err(invalid("epsilon_cutoff", "must be in [0, 1)", epsilon_cutoff));
+            return Err(invalid(
+                "epsilon_cutoff",
+                "must be in [0, 1)",
+                epsilon_cutoff,
+            ));
         }
         Ok(Self {
             epsilon_cutoff,

@@ -10,7 +10,13 @@ pub fn probs(logits: &[f32]) -> Vec<f64> {
         .fold(f64::NEG_INFINITY, |a, b| a.max(f64::from(b)));
     let w: Vec<f64> = logits
         .iter()
-        .map(|&x| if x.is_finite() { (f64::from(x) - m).exp() } else { 0.0 })
+        .map(|&x| {
+            if x.is_finite() {
+                (f64::from(x) - m).exp()
+            } else {
+                0.0
+            }
+        })
         .collect();
     let s: f64 = w.iter().sum();
     w.iter().map(|x| x / s).collect()
@@ -124,7 +130,10 @@ fn chi2_sf_matches_tables() {
     assert!((chi2_sf(11.070_497_693_516_351, 5) - 0.05).abs() < 1e-9);
     assert!((chi2_sf(21.665_994_333_461_924, 9) - 0.01).abs() < 1e-9);
     for x in [0.1, 1.0, 2.0, 7.5, 30.0] {
-        assert!((chi2_sf(x, 2) - (-x / 2.0f64).exp()).abs() < 1e-12, "x = {x}");
+        assert!(
+            (chi2_sf(x, 2) - (-x / 2.0f64).exp()).abs() < 1e-12,
+            "x = {x}"
+        );
     }
     // Γ(5) = 24, Γ(0.5) = sqrt(pi)
     assert!((ln_gamma(5.0) - 24f64.ln()).abs() < 1e-12);
