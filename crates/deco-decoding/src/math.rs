@@ -29,7 +29,8 @@ pub fn argmax(logits: &[f32]) -> Option<usize> {
     best.map(|(i, _)| i)
 }
 
-/// `ln(sum_i exp(logits[i]))` computed stably (max subtracted, `f64` accumulation).
+/// `ln(sum_i exp(logits[i]))` computed stably: the max is subtracted, each term is an `f32`
+/// `exp` and the sum is accumulated in `f64`.
 ///
 /// Returns `-inf` when every entry is `-inf` (or the row is empty).
 pub fn log_sum_exp(logits: &[f32]) -> f64 {
@@ -37,13 +38,16 @@ pub fn log_sum_exp(logits: &[f32]) -> f64 {
     if m == f32::NEG_INFINITY {
         return f64::NEG_INFINITY;
     }
-    let m = f64::from(m);
-    let s: f64 = logits
+    f64::from(m) + sum_exp_shifted(logits, m).ln()
+}
+
+/// `sum_i exp(logits[i] - m)` with `f32` terms and an `f64` accumulator (NaN entries skipped).
+pub(crate) fn sum_exp_shifted(logits: &[f32], m: f32) -> f64 {
+    logits
         .iter()
         .filter(|x| !x.is_nan())
-        .map(|&x| (f64::from(x) - m).exp())
-        .sum();
-    m + s.ln()
+        .map(|&x| f64::from((x - m).exp()))
+        .sum()
 }
 
 /// Softmax of the row: `p_i = exp(l_i) / sum_j exp(l_j)`, same length as the input.
@@ -78,15 +82,6 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
 /// Order "larger logit first, then lower id", the tie rule used by every sorted filter here.
 pub(crate) fn desc_then_id(logits: &[f32], a: usize, b: usize) -> Ordering {
     logits[b].total_cmp(&logits[a]).then(a.cmp(&b))
-}
-
-/// Indices of the entries that are not `-inf` (nor NaN), sorted by [`desc_then_id`].
-pub(crate) fn sorted_candidates(logits: &[f32]) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..logits.len())
-        .filter(|&i| logits[i] > f32::NEG_INFINITY)
-        .collect();
-    idx.sort_unstable_by(|&a, &b| desc_then_id(logits, a, b));
-    idx
 }
 
 /// The `k` best entries (largest logit first, ties by lower id) among those that are not `-inf`.

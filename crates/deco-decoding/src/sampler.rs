@@ -258,20 +258,19 @@ fn check_row(logits: &[f32]) -> Result<()> {
 }
 
 /// Inverse-CDF draw from `softmax(logits)` with uniform `u` in `[0, 1)`; `None` if every entry
-/// is `-inf`.
+/// is `-inf`. Weights are `exp(l - max)` as `f32` terms, summed in `f64`.
 fn categorical(logits: &[f32], u: f64) -> Option<usize> {
     let m = crate::math::max_logit(logits);
     if m == f32::NEG_INFINITY {
         return None;
     }
-    let m = f64::from(m);
-    let total: f64 = logits.iter().map(|&x| (f64::from(x) - m).exp()).sum();
+    let total = crate::math::sum_exp_shifted(logits, m);
     let target = u * total;
     let mut cum = 0.0f64;
     let mut last = None;
     for (i, &x) in logits.iter().enumerate() {
         if x > f32::NEG_INFINITY {
-            cum += (f64::from(x) - m).exp();
+            cum += f64::from((x - m).exp());
             last = Some(i);
             if cum > target {
                 return Some(i);

@@ -118,9 +118,9 @@ proptest! {
         let before_last: f64 = order[..n - 1].iter().map(|&i| probs[i]).sum();
         let p = f64::from(p);
         // reaches p (or takes everything) ...
-        prop_assert!(mass >= p - 1e-9 || n == order.len());
+        prop_assert!(mass >= p - 1e-6 || n == order.len());
         // ... and is minimal: without its last token it has not reached p
-        prop_assert!(n == 1 || before_last < p + 1e-9);
+        prop_assert!(n == 1 || before_last < p + 1e-6);
     }
 
     #[test]
@@ -131,7 +131,7 @@ proptest! {
         let pmax = probs.iter().copied().fold(0.0, f64::max);
         let thr = f64::from(m) * pmax;
         for i in 0..l.len() {
-            if (probs[i] - thr).abs() <= 1e-12 * pmax {
+            if (probs[i] - thr).abs() <= 1e-6 * pmax {
                 continue; // on the boundary within rounding
             }
             prop_assert_eq!(keep[i], l[i] > NINF && probs[i] >= thr, "token {}", i);

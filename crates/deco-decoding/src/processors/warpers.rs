@@ -2,7 +2,7 @@
 
 use super::{LogitsProcessor, ProcessContext, check_min_keep};
 use crate::error::{Result, invalid};
-use crate::math::{kth_largest, log_sum_exp, max_logit, sorted_candidates};
+use crate::math::{desc_then_id, kth_largest, log_sum_exp, max_logit, sum_exp_shifted, top_n};
 
 /// Temperature scaling: `logits[i] / temperature`.
 ///
@@ -202,13 +202,29 @@ impl LogitsProcessor for TopP {
         if m == f32::NEG_INFINITY {
             return Ok(());
         }
-        let order = sorted_candidates(logits);
-        let m = f64::from(m);
-        let total: f64 = order
-            .iter()
-            .map(|&i| (f64::from(logits[i]) - m).exp())
-            .sum();
+        let weight = |x: f32| f64::from((x - m).exp());
+        let total = sum_exp_shifted(logits, m);
         let target = f64::from(self.top_p) * total;
+        // Only a prefix of the sorted order can be kept, so sort just the tokens whose weight
+        // is at least `tau` (relative to the top token's weight 1) once they hold the target
+        // mass and enough tokens; lower `tau` until they do (tau = 0: every candidate).
+        let mut tau = 1e-4f32;
+        let mut order = loop {
+            let floor = if tau > 0.0 {
+                m + tau.ln()
+            } else {
+                f32::NEG_INFINITY
+            };
+            let cand: Vec<usize> = (0..logits.len())
+                .filter(|&i| logits[i] > f32::NEG_INFINITY && logits[i] >= floor)
+                .collect();
+            let mass: f64 = cand.iter().map(|&i| weight(logits[i])).sum();
+            if tau == 0.0 || (mass >= target && cand.len() >= self.min_tokens_to_keep) {
+                break cand;
+            }
+            tau = if tau > 1e-30 { tau * 1e-6 } else { 0.0 };
+        };
+        order.sort_unstable_by(|&a, &b| desc_then_id(logits, a, b));
         let mut before = 0.0f64;
         let mut cut = order.len();
         for (rank, &i) in order.iter().enumerate() {
@@ -216,10 +232,12 @@ impl LogitsProcessor for TopP {
                 cut = rank;
                 break;
             }
-            before += (f64::from(logits[i]) - m).exp();
+            before += weight(logits[i]);
         }
-        for &i in &order[cut..] {
-            logits[i] = f32::NEG_INFINITY;
+        let kept: Vec<(usize, f32)> = order[..cut].iter().map(|&i| (i, logits[i])).collect();
+        logits.fill(f32::NEG_INFINITY);
+        for (i, x) in kept {
+            logits[i] = x;
         }
         Ok(())
     }
@@ -282,13 +300,17 @@ impl LogitsProcessor for MinP {
         if m == f32::NEG_INFINITY {
             return Ok(());
         }
-        let m = f64::from(m);
         let min_p = f64::from(self.min_p);
-        let order = sorted_candidates(logits);
-        for (rank, &i) in order.iter().enumerate() {
-            if rank >= self.min_tokens_to_keep && (f64::from(logits[i]) - m).exp() < min_p {
-                logits[i] = f32::NEG_INFINITY;
+        // The `min_tokens_to_keep` best tokens (ties: lower id) survive whatever their ratio.
+        let protected = top_n(logits, self.min_tokens_to_keep);
+        let saved: Vec<(usize, f32)> = protected.iter().map(|&i| (i, logits[i])).collect();
+        for x in logits.iter_mut() {
+            if f64::from((*x - m).exp()) < min_p {
+                *x = f32::NEG_INFINITY;
             }
+        }
+        for (i, x) in saved {
+            logits[i] = x;
         }
         Ok(())
     }
