@@ -373,3 +373,35 @@ fn renormalized_top_k_distribution_matches_hand_values() {
     assert!((p[0] - 4.0 / 7.0).abs() < 1e-6 && (p[1] - 3.0 / 7.0).abs() < 1e-6);
     assert_eq!(&p[2..], &[0.0, 0.0]);
 }
+
+#[test]
+fn top_p_on_a_large_flat_tail_matches_the_brute_force_nucleus() {
+    // 10_000 tokens: 5 peaks and a long flat tail; p close to 1 forces the nucleus deep into
+    // the tail (the candidate pruning must fall back to every token).
+    let mut l = vec![0.0f32; 10_000];
+    for (k, x) in l.iter_mut().enumerate() {
+        *x = -((k % 97) as f32) * 0.05;
+    }
+    for k in 0..5 {
+        l[k * 1000 + 3] = 9.0 - k as f32;
+    }
+    for p in [0.3f32, 0.9, 0.99, 0.999_9] {
+        let out = run(&TopP::new(p).unwrap(), &empty(), &l);
+        // brute force: full sort (value desc, id asc), keep while mass before < p
+        let probs = common::probs(&l);
+        let mut idx: Vec<usize> = (0..l.len()).collect();
+        idx.sort_by(|&a, &b| l[b].partial_cmp(&l[a]).unwrap().then(a.cmp(&b)));
+        let mut before = 0.0;
+        let mut expect = vec![false; l.len()];
+        for &i in &idx {
+            if before >= f64::from(p) {
+                break;
+            }
+            expect[i] = true;
+            before += probs[i];
+        }
+        let got: Vec<bool> = out.iter().map(|x| *x > NINF).collect();
+        let n = got.iter().filter(|&&k| k).count();
+        assert_eq!(got, expect, "p = {p}: kept {n}");
+    }
+}

@@ -306,3 +306,18 @@ fn hand_built_processor_lists_work_with_from_processors() {
     }
     assert!(Sampler::from_processors(LogitsProcessorList::new(), false, None, Some(21)).is_err());
 }
+
+#[test]
+fn samplers_can_move_between_threads() {
+    fn assert_send<T: Send>() {}
+    assert_send::<Sampler>();
+    assert_send::<LogitsProcessorList>();
+    // and actually run on another thread
+    let p = params(r#"{"temperature": 0.9, "seed": 11}"#);
+    let here = run_steps(&mut Sampler::new(&p).unwrap(), 20);
+    let mut s = Sampler::new(&p).unwrap();
+    let there = std::thread::spawn(move || run_steps(&mut s, 20))
+        .join()
+        .unwrap();
+    assert_eq!(here, there);
+}
