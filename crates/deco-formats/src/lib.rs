@@ -1,0 +1,16 @@
+//! Model file formats for deco.
+//!
+//! - [`gguf`]: the GGUF container (v2 and v3) of llama.cpp: metadata, tensor table, memory-mapped data.
+//! - [`ggml`]: GGML tensor types and their block dequantization (F32 ... Q6_K).
+//! - [`config`]: model hyper-parameters in Hugging Face terms, from GGUF metadata or `config.json`.
+//! - [`checkpoint`]: tensors under transformers names from a GGUF file or a safetensors directory.
+//!
+//! Errors are reported through [`Error`]; every error that concerns a file names it.
+
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod ggml;
+pub mod gguf;
+
+pub use error::{Error, Result};

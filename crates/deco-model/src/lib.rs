@@ -1,0 +1,19 @@
+//! Llama-family decoder models on burn.
+//!
+//! [`Llama`] implements transformers' `LlamaForCausalLM` and `Qwen2ForCausalLM` (Q/K/V biases)
+//! for weights from any [`deco_formats::checkpoint::Checkpoint`]: RMSNorm, rotate-half RoPE,
+//! grouped-query attention, SwiGLU MLP, tied or separate LM head.
+//!
+//! The forward pass takes a *batch of sequences at different positions* ([`SeqInput`]): all
+//! tokens of the batch go through the dense layers together as one `[tokens, hidden]` matrix, and
+//! attention runs per sequence against that sequence's cached keys and values. The cache is the
+//! [`KvCache`] trait; [`DenseKvCache`] is the contiguous implementation, and a paged cache for
+//! continuous batching implements the same trait.
+
+pub mod error;
+pub mod kv_cache;
+pub mod llama;
+
+pub use error::{Error, Result};
+pub use kv_cache::{DenseKvCache, KvCache, SeqId};
+pub use llama::{ForwardOutput, Llama, LogitsWanted, SeqInput};

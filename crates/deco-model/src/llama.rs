@@ -1,0 +1,331 @@
+//! The Llama / Qwen2 decoder.
+//!
+//! Reference: transformers `models/llama/modeling_llama.py` (`LlamaForCausalLM`) and
+//! `models/qwen2/modeling_qwen2.py`; Touvron et al. 2023 ("LLaMA"), §2.2.
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use deco_formats::checkpoint::Checkpoint;
+use deco_formats::config::{ModelConfig, RopeScaling};
+use deco_kernels::ops::{RopeTable, causal_gqa_attention, rms_norm, rope_inv_freq, swiglu};
+
+use crate::kv_cache::{KvCache, SeqId};
+use crate::{Error, Result};
+
+/// One sequence's new tokens in a batched forward. Their positions continue the sequence's cache:
+/// `cache.seq_len(seq) ..`.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqInput<'a> {
+    /// The sequence.
+    pub seq: SeqId,
+    /// New token ids (at least one).
+    pub tokens: &'a [u32],
+}
+
+/// Which positions of each sequence get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// Only the last new token of each sequence (generation).
+    Last,
+    /// Every new token (scoring, perplexity, speculative verification).
+    All,
+}
+
+/// Result of [`Llama::forward`].
+#[derive(Debug, Clone)]
+pub struct ForwardOutput {
+    /// `[rows, vocab]` logits, f32. With [`LogitsWanted::Last`] one row per input sequence in
+    /// input order; with [`LogitsWanted::All`] every new token of every sequence, sequences
+    /// concatenated in input order.
+    pub logits: Tensor<2>,
+    /// `[rows, hidden]`: the final hidden states (after the last RMSNorm) of the same rows.
+    pub hidden: Tensor<2>,
+    /// Row range of each input sequence in `logits`.
+    pub rows: Vec<std::ops::Range<usize>>,
+}
+
+impl ForwardOutput {
+    /// Copies the logits to the host, one `Vec` per row.
+    ///
+    /// # Errors
+    /// [`Error::TensorRead`] if the device read fails.
+    pub fn logits_rows(&self) -> Result<Vec<Vec<f32>>> {
+        let [rows, vocab] = self.logits.dims();
+        let flat = self
+            .logits
+            .clone()
+            .try_into_vec_as::<f32>()
+            .map_err(|e| Error::TensorRead(format!("{e:?}")))?;
+        Ok((0..rows).map(|r| flat[r * vocab..(r + 1) * vocab].to_vec()).collect())
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    attn_norm: Tensor<1>,
+    /// `[hidden, q + 2 kv]`: Q, K, V projections fused and transposed for `x @ w`.
+    wqkv: Tensor<2>,
+    /// `[q + 2 kv]` when the architecture has attention biases.
+    bqkv: Option<Tensor<1>>,
+    /// `[q, hidden]`
+    wo: Tensor<2>,
+    ffn_norm: Tensor<1>,
+    /// `[hidden, 2 * intermediate]`: gate and up projections fused.
+    w_gate_up: Tensor<2>,
+    /// `[intermediate, hidden]`
+    w_down: Tensor<2>,
+}
+
+/// A Llama-family causal language model with weights on a burn device.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    /// Hyper-parameters.
+    pub config: ModelConfig,
+    device: Device,
+    /// `[vocab, hidden]`
+    embed: Tensor<2>,
+    layers: Vec<Layer>,
+    norm: Tensor<1>,
+    /// `[hidden, vocab]`
+    lm_head: Tensor<2>,
+    rope: RopeTable,
+}
+
+fn transpose_host(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; data.len()];
+    // Blocked transpose for cache friendliness.
+    const B: usize = 32;
+    for r0 in (0..rows).step_by(B) {
+        for c0 in (0..cols).step_by(B) {
+            for r in r0..(r0 + B).min(rows) {
+                for c in c0..(c0 + B).min(cols) {
+                    out[c * rows + r] = data[r * cols + c];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Inverse RoPE frequencies for a configuration, with its scaling applied.
+///
+/// Llama 3 scaling follows transformers' `_compute_llama3_parameters`.
+pub fn config_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
+    let base = rope_inv_freq(cfg.head_dim, cfg.rope_theta);
+    match &cfg.rope_scaling {
+        None => base,
+        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            let old = *original_max_position_embeddings as f64;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+impl Llama {
+    /// Loads the weights of `ckpt` onto `device` (dequantized to f32).
+    ///
+    /// `max_positions` bounds the RoPE table (and so the usable context); `None` uses the model's
+    /// `max_position_embeddings`.
+    ///
+    /// # Errors
+    /// The checkpoint's errors: missing tensors, shape mismatches, unsupported quantization types.
+    pub fn load(ckpt: &Checkpoint, device: &Device, max_positions: Option<usize>) -> Result<Self> {
+        let cfg = ckpt.config.clone();
+        let h = cfg.hidden_size;
+        let get = |name: &str| -> Result<Vec<f32>> { Ok(ckpt.tensor(name)?.1) };
+        let t1 = |v: Vec<f32>| -> Tensor<1> {
+            let n = v.len();
+            Tensor::from_data(TensorData::new(v, [n]), device)
+        };
+        // Loads a `[out, in]` weight and returns it transposed, `[in, out]`, on the host, with
+        // its output size.
+        let get_t = |name: &str| -> Result<(Vec<f32>, usize)> {
+            let (shape, data) = ckpt.tensor(name)?;
+            let (out, inp) = (shape[0], shape[1]);
+            Ok((transpose_host(&data, out, inp), out))
+        };
+        // Concatenates transposed weights `[in, out_i]` along the output dimension.
+        let cat_cols = |parts: Vec<(Vec<f32>, usize)>, inner: usize| -> Tensor<2> {
+            let total: usize = parts.iter().map(|p| p.1).sum();
+            let mut out = Vec::with_capacity(inner * total);
+            for r in 0..inner {
+                for (data, cols) in &parts {
+                    out.extend_from_slice(&data[r * cols..(r + 1) * cols]);
+                }
+            }
+            Tensor::from_data(TensorData::new(out, [inner, total]), device)
+        };
+
+        let embed_data = get("model.embed_tokens.weight")?;
+        let lm_head = if cfg.tie_word_embeddings {
+            transpose_host(&embed_data, cfg.vocab_size, h)
+        } else {
+            get_t("lm_head.weight")?.0
+        };
+        let lm_head = Tensor::from_data(TensorData::new(lm_head, [h, cfg.vocab_size]), device);
+        let embed = Tensor::from_data(TensorData::new(embed_data, [cfg.vocab_size, h]), device);
+
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let wqkv = cat_cols(
+                vec![
+                    get_t(&format!("{p}.self_attn.q_proj.weight"))?,
+                    get_t(&format!("{p}.self_attn.k_proj.weight"))?,
+                    get_t(&format!("{p}.self_attn.v_proj.weight"))?,
+                ],
+                h,
+            );
+            let bqkv = if cfg.attention_bias {
+                let mut b = get(&format!("{p}.self_attn.q_proj.bias"))?;
+                b.extend(get(&format!("{p}.self_attn.k_proj.bias"))?);
+                b.extend(get(&format!("{p}.self_attn.v_proj.bias"))?);
+                Some(t1(b))
+            } else {
+                None
+            };
+            let (wo, _) = get_t(&format!("{p}.self_attn.o_proj.weight"))?;
+            let (wd, _) = get_t(&format!("{p}.mlp.down_proj.weight"))?;
+            let q = cfg.num_attention_heads * cfg.head_dim;
+            let inter = cfg.intermediate_size;
+            layers.push(Layer {
+                attn_norm: t1(get(&format!("{p}.input_layernorm.weight"))?),
+                wqkv,
+                bqkv,
+                wo: Tensor::from_data(TensorData::new(wo, [q, h]), device),
+                ffn_norm: t1(get(&format!("{p}.post_attention_layernorm.weight"))?),
+                w_gate_up: cat_cols(
+                    vec![get_t(&format!("{p}.mlp.gate_proj.weight"))?, get_t(&format!("{p}.mlp.up_proj.weight"))?],
+                    h,
+                ),
+                w_down: Tensor::from_data(TensorData::new(wd, [inter, h]), device),
+            });
+        }
+        let norm = t1(get("model.norm.weight")?);
+        let max_pos = max_positions.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
+        let rope = RopeTable::new(&config_inv_freq(&cfg), max_pos, device);
+        Ok(Self { config: cfg, device: device.clone(), embed, layers, norm, lm_head, rope })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Context length usable with this instance (bounded by the RoPE table).
+    pub fn max_context(&self) -> usize {
+        self.rope.max_positions()
+    }
+
+    /// Runs new tokens of several sequences through the model, appending their keys and values
+    /// to `cache`, and returns logits and final hidden states for the positions `wanted`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an empty batch or a sequence with no tokens,
+    /// [`Error::TokenOutOfRange`], [`Error::ContextOverflow`] when a sequence would exceed
+    /// [`Llama::max_context`].
+    pub fn forward(&self, inputs: &[SeqInput<'_>], cache: &mut dyn KvCache, wanted: LogitsWanted) -> Result<ForwardOutput> {
+        let cfg = &self.config;
+        if inputs.is_empty() {
+            return Err(Error::InvalidInput("empty batch".into()));
+        }
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(inputs.len());
+        for inp in inputs {
+            if inp.tokens.is_empty() {
+                return Err(Error::InvalidInput(format!("sequence {} has no new tokens", inp.seq)));
+            }
+            let past = cache.seq_len(inp.seq);
+            let needed = past + inp.tokens.len();
+            if needed > self.max_context() {
+                return Err(Error::ContextOverflow { seq: inp.seq, needed, max: self.max_context() });
+            }
+            let start = ids.len();
+            for (i, &t) in inp.tokens.iter().enumerate() {
+                if t as usize >= cfg.vocab_size {
+                    return Err(Error::TokenOutOfRange { id: t, vocab: cfg.vocab_size });
+                }
+                ids.push(t as i64);
+                positions.push((past + i) as i64);
+            }
+            spans.push((start, inp.tokens.len(), past));
+        }
+        let n = ids.len();
+        let dev = &self.device;
+        let ids_t: Tensor<1, Int> = Tensor::from_data(TensorData::new(ids, [n]), dev);
+        let pos_t: Tensor<1, Int> = Tensor::from_data(TensorData::new(positions, [n]), dev);
+
+        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (qd, kvd) = (heads * hd, kvh * hd);
+        let eps = cfg.rms_norm_eps;
+        let inter = cfg.intermediate_size;
+
+        let mut x = self.embed.clone().select(0, ids_t); // [n, h]
+        for (li, layer) in self.layers.iter().enumerate() {
+            let xn = rms_norm(x.clone(), &layer.attn_norm, eps);
+            let mut qkv = xn.matmul(layer.wqkv.clone()); // [n, q + 2kv]
+            if let Some(b) = &layer.bqkv {
+                qkv = qkv.add(b.clone().unsqueeze_dim::<2>(0));
+            }
+            let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
+            let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
+            let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
+            let q = self.rope.apply(q, &pos_t);
+            let k = self.rope.apply(k, &pos_t);
+
+            let mut outs = Vec::with_capacity(spans.len());
+            for (inp, &(start, len, past)) in inputs.iter().zip(&spans) {
+                let (qs, ks, vs) = if spans.len() == 1 {
+                    (q.clone(), k.clone(), v.clone())
+                } else {
+                    (
+                        q.clone().slice([start..start + len, 0..heads, 0..hd]),
+                        k.clone().slice([start..start + len, 0..kvh, 0..hd]),
+                        v.clone().slice([start..start + len, 0..kvh, 0..hd]),
+                    )
+                };
+                let (kall, vall) = cache.append(li, inp.seq, ks, vs)?;
+                outs.push(causal_gqa_attention(qs, kall, vall, past));
+            }
+            let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
+            x = x.add(attn.matmul(layer.wo.clone()));
+
+            let xn = rms_norm(x.clone(), &layer.ffn_norm, eps);
+            let gu = xn.matmul(layer.w_gate_up.clone()); // [n, 2i]
+            let gate = gu.clone().slice([0..n, 0..inter]);
+            let up = gu.slice([0..n, inter..2 * inter]);
+            x = x.add(swiglu(gate, up).matmul(layer.w_down.clone()));
+        }
+        for (inp, &(_, len, _)) in inputs.iter().zip(&spans) {
+            cache.advance(inp.seq, len);
+        }
+
+        let (x, rows) = match wanted {
+            LogitsWanted::All => (x, spans.iter().map(|&(s, l, _)| s..s + l).collect()),
+            LogitsWanted::Last => {
+                let last: Vec<i64> = spans.iter().map(|&(s, l, _)| (s + l - 1) as i64).collect();
+                let m = last.len();
+                let idx: Tensor<1, Int> = Tensor::from_data(TensorData::new(last, [m]), dev);
+                (x.select(0, idx), (0..m).map(|i| i..i + 1).collect())
+            }
+        };
+        let hidden = rms_norm(x, &self.norm, eps);
+        let logits = hidden.clone().matmul(self.lm_head.clone());
+        Ok(ForwardOutput { logits, hidden, rows })
+    }
+}

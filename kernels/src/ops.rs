@@ -1,0 +1,137 @@
+//! Transformer building blocks as burn tensor compositions.
+//!
+//! Each function documents its shapes and its reference (the transformers module it reproduces).
+//! These are the reference implementations that fused kernels are tested against.
+
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+
+/// RMSNorm (Zhang & Sennrich 2019), as transformers' `LlamaRMSNorm`:
+/// `weight * x / sqrt(mean(x^2) + eps)`, computed in f32.
+///
+/// # Shapes
+/// - `x`: `[tokens, hidden]`
+/// - `weight`: `[hidden]`
+/// - output: `[tokens, hidden]`
+pub fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
+    let variance = x.clone().square().mean_dim(1); // [tokens, 1]
+    let inv = variance.add_scalar(eps).sqrt().recip();
+    x.mul(inv).mul(weight.clone().unsqueeze_dim::<2>(0))
+}
+
+/// SwiGLU feed-forward activation (Shazeer 2020): `silu(gate) * up`.
+///
+/// # Shapes
+/// `gate`, `up` and the output: `[tokens, intermediate]`.
+pub fn swiglu(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
+    silu(gate).mul(up)
+}
+
+/// Precomputed rotary position embedding tables (Su et al. 2021, "RoFormer", eq. 34) in the
+/// rotate-half layout of transformers' `LlamaRotaryEmbedding` / `apply_rotary_pos_emb`.
+///
+/// The inverse frequencies `θ^(-2i/d)` (after optional scaling) and the angles are computed in
+/// f64 and rounded once to f32.
+#[derive(Debug, Clone)]
+pub struct RopeTable {
+    /// `[max_positions, head_dim]`: cos of the angle, first half repeated in the second half.
+    cos: Tensor<2>,
+    /// `[max_positions, head_dim]`: sin, same layout.
+    sin: Tensor<2>,
+    head_dim: usize,
+    max_positions: usize,
+}
+
+impl RopeTable {
+    /// Builds the tables from inverse frequencies `inv_freq` (length `head_dim / 2`).
+    ///
+    /// Use [`rope_inv_freq`] for the standard frequencies.
+    pub fn new(inv_freq: &[f64], max_positions: usize, device: &Device) -> Self {
+        let half = inv_freq.len();
+        let head_dim = 2 * half;
+        let mut cos = Vec::with_capacity(max_positions * head_dim);
+        let mut sin = Vec::with_capacity(max_positions * head_dim);
+        for p in 0..max_positions {
+            for _ in 0..2 {
+                for &f in inv_freq {
+                    let a = p as f64 * f;
+                    cos.push(a.cos() as f32);
+                    sin.push(a.sin() as f32);
+                }
+            }
+        }
+        let shape = [max_positions, head_dim];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+            head_dim,
+            max_positions,
+        }
+    }
+
+    /// Largest position + 1 the table covers.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Rotates `x` by the angles of `positions`.
+    ///
+    /// # Shapes
+    /// - `x`: `[tokens, heads, head_dim]`
+    /// - `positions`: `[tokens]`, each `< max_positions` (the caller checks)
+    /// - output: `[tokens, heads, head_dim]`
+    pub fn apply(&self, x: Tensor<3>, positions: &Tensor<1, Int>) -> Tensor<3> {
+        let cos = self.cos.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
+        let sin = self.sin.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
+        let half = self.head_dim / 2;
+        let [t, h, _] = x.dims();
+        let x1 = x.clone().slice([0..t, 0..h, 0..half]);
+        let x2 = x.clone().slice([0..t, 0..h, half..self.head_dim]);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 2);
+        x.mul(cos).add(rotated.mul(sin))
+    }
+}
+
+/// Standard RoPE inverse frequencies `1 / theta^(2i / head_dim)`, `i = 0 .. head_dim/2`.
+pub fn rope_inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
+    (0..head_dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)).collect()
+}
+
+/// Causal scaled-dot-product attention with grouped-query heads (Ainslie et al. 2023) for one
+/// sequence whose first `past` positions are already in the key/value cache.
+///
+/// Query row `t` sits at absolute position `past + t` and attends to key positions
+/// `0 ..= past + t`. Query head `h` uses key/value head `h / (heads / kv_heads)`, as transformers'
+/// `repeat_kv`. Scores are scaled by `1 / sqrt(head_dim)`.
+///
+/// # Shapes
+/// - `q`: `[tokens, heads, head_dim]`
+/// - `k`, `v`: `[past + tokens, kv_heads, head_dim]`
+/// - output: `[tokens, heads * head_dim]`
+pub fn causal_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize) -> Tensor<2> {
+    let [t, heads, d] = q.dims();
+    let [s, kv_heads, _] = k.dims();
+    let g = heads / kv_heads;
+    // [t, kvh, g, d] -> [kvh, g, t, d] -> [kvh, g*t, d]
+    let q = q.reshape([t, kv_heads, g, d]).permute([1, 2, 0, 3]).reshape([kv_heads, g * t, d]);
+    let k = k.swap_dims(0, 1); // [kvh, s, d]
+    let v = v.swap_dims(0, 1); // [kvh, s, d]
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut scores = q.matmul(k.swap_dims(1, 2)).mul_scalar(scale); // [kvh, g*t, s]
+    if t > 1 || s != past + t {
+        let mut mask = Vec::with_capacity(g * t * s);
+        for _ in 0..g {
+            for row in 0..t {
+                for col in 0..s {
+                    mask.push(col > past + row);
+                }
+            }
+        }
+        let mask: Tensor<3, Bool> =
+            Tensor::<3, Bool>::from_data(TensorData::new(mask, [1, g * t, s]), &scores.device()).expand([kv_heads, g * t, s]);
+        scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+    }
+    let probs = softmax(scores, 2);
+    let out = probs.matmul(v); // [kvh, g*t, d]
+    out.reshape([kv_heads, g, t, d]).permute([2, 0, 1, 3]).reshape([t, heads * d])
+}

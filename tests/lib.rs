@@ -1,0 +1,39 @@
+//! Shared helpers of deco's integration tests: locating the real model and reference files.
+//!
+//! Files are looked up in `$DECO_CACHE` (filled by `cargo xtask fetch`), then in
+//! `$DECO_SHARED_DIR`, then in `../shared` beside the workspace (the local mirror). A missing file
+//! fails the test with a message saying how to fetch it.
+
+use std::path::PathBuf;
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// Resolves a file of the shared data layout (`models/...`, `golden/...`, `data/...`).
+///
+/// # Panics
+/// When the file is in none of the locations: the test cannot run without it.
+pub fn asset(rel: &str) -> PathBuf {
+    let mut candidates = Vec::new();
+    if let Ok(c) = std::env::var("DECO_CACHE") {
+        candidates.push(PathBuf::from(c).join(rel));
+    }
+    candidates.push(workspace_root().join(".cache").join(rel));
+    if let Ok(s) = std::env::var("DECO_SHARED_DIR") {
+        candidates.push(PathBuf::from(s).join(rel));
+    }
+    candidates.push(workspace_root().join("../shared").join(rel));
+    for c in &candidates {
+        if c.exists() {
+            return c.clone();
+        }
+    }
+    panic!("{rel} not found (looked in {candidates:?}); run `cargo xtask fetch` first")
+}
+
+/// The default model: SmolLM2-135M-Instruct, Q4_1 GGUF.
+pub fn smollm2_gguf() -> PathBuf {
+    asset("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
