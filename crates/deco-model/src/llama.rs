@@ -239,6 +239,54 @@ impl Llama {
     /// [`Error::TokenOutOfRange`], [`Error::ContextOverflow`] when a sequence would exceed
     /// [`Llama::max_context`].
     pub fn forward(&self, inputs: &[SeqInput<'_>], cache: &mut dyn KvCache, wanted: LogitsWanted) -> Result<ForwardOutput> {
+        self.forward_partial(inputs, cache, wanted, self.layers.len())
+    }
+
+    /// Like [`Llama::forward`] but through the first `num_layers` decoder layers only, followed by
+    /// the final RMSNorm and the LM head: the shallow "draft" or "amateur" model of
+    /// self-speculative decoding (Zhang et al. 2024, "Draft & Verify") and of contrastive decoding
+    /// with a truncated expert. `cache` must be used with the same `num_layers` throughout (it
+    /// holds keys and values for those layers only).
+    ///
+    /// # Errors
+    /// As [`Llama::forward`], and [`Error::InvalidInput`] if `num_layers` is 0 or exceeds the
+    /// model's depth.
+    pub fn forward_partial(
+        &self,
+        inputs: &[SeqInput<'_>],
+        cache: &mut dyn KvCache,
+        wanted: LogitsWanted,
+        num_layers: usize,
+    ) -> Result<ForwardOutput> {
+        if num_layers == 0 || num_layers > self.layers.len() {
+            return Err(Error::InvalidInput(format!(
+                "num_layers must be in 1..={}, got {num_layers}",
+                self.layers.len()
+            )));
+        }
+        let batch = self.prepare(inputs, &*cache)?;
+        let mut x = self.embed_tokens(&batch);
+        for li in 0..num_layers {
+            x = self.layer_forward(li, x, &batch, inputs, cache)?;
+        }
+        for (inp, span) in inputs.iter().zip(&batch.spans) {
+            cache.advance(inp.seq, span.len);
+        }
+        Ok(self.head(x, &batch, wanted))
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The LM head, `[hidden, vocab]` (transposed: `logits = hidden @ lm_head`).
+    pub fn lm_head(&self) -> &Tensor<2> {
+        &self.lm_head
+    }
+
+    /// Validates a batch and lays out its tokens and positions.
+    pub(crate) fn prepare(&self, inputs: &[SeqInput<'_>], cache: &dyn KvCache) -> Result<Batch> {
         let cfg = &self.config;
         if inputs.is_empty() {
             return Err(Error::InvalidInput("empty batch".into()));
@@ -263,69 +311,110 @@ impl Llama {
                 ids.push(t as i64);
                 positions.push((past + i) as i64);
             }
-            spans.push((start, inp.tokens.len(), past));
+            spans.push(Span { start, len: inp.tokens.len(), past });
         }
         let n = ids.len();
         let dev = &self.device;
-        let ids_t: Tensor<1, Int> = Tensor::from_data(TensorData::new(ids, [n]), dev);
-        let pos_t: Tensor<1, Int> = Tensor::from_data(TensorData::new(positions, [n]), dev);
+        Ok(Batch {
+            n,
+            ids: Tensor::from_data(TensorData::new(ids, [n]), dev),
+            positions: Tensor::from_data(TensorData::new(positions, [n]), dev),
+            spans,
+        })
+    }
 
+    /// Token embeddings of a batch, `[tokens, hidden]`.
+    pub(crate) fn embed_tokens(&self, batch: &Batch) -> Tensor<2> {
+        self.embed.clone().select(0, batch.ids.clone())
+    }
+
+    /// One decoder layer (pre-norm attention and SwiGLU MLP with residuals) over the batch's
+    /// residual stream `x`, `[tokens, hidden]`; appends the layer's keys and values to `cache`.
+    pub(crate) fn layer_forward(
+        &self,
+        li: usize,
+        x: Tensor<2>,
+        batch: &Batch,
+        inputs: &[SeqInput<'_>],
+        cache: &mut dyn KvCache,
+    ) -> Result<Tensor<2>> {
+        let cfg = &self.config;
+        let layer = &self.layers[li];
+        let n = batch.n;
         let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let (qd, kvd) = (heads * hd, kvh * hd);
         let eps = cfg.rms_norm_eps;
         let inter = cfg.intermediate_size;
 
-        let mut x = self.embed.clone().select(0, ids_t); // [n, h]
-        for (li, layer) in self.layers.iter().enumerate() {
-            let xn = rms_norm(x.clone(), &layer.attn_norm, eps);
-            let mut qkv = xn.matmul(layer.wqkv.clone()); // [n, q + 2kv]
-            if let Some(b) = &layer.bqkv {
-                qkv = qkv.add(b.clone().unsqueeze_dim::<2>(0));
-            }
-            let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
-            let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
-            let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
-            let q = self.rope.apply(q, &pos_t);
-            let k = self.rope.apply(k, &pos_t);
-
-            let mut outs = Vec::with_capacity(spans.len());
-            for (inp, &(start, len, past)) in inputs.iter().zip(&spans) {
-                let (qs, ks, vs) = if spans.len() == 1 {
-                    (q.clone(), k.clone(), v.clone())
-                } else {
-                    (
-                        q.clone().slice([start..start + len, 0..heads, 0..hd]),
-                        k.clone().slice([start..start + len, 0..kvh, 0..hd]),
-                        v.clone().slice([start..start + len, 0..kvh, 0..hd]),
-                    )
-                };
-                let (kall, vall) = cache.append(li, inp.seq, ks, vs)?;
-                outs.push(causal_gqa_attention(qs, kall, vall, past));
-            }
-            let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
-            x = x.add(attn.matmul(layer.wo.clone()));
-
-            let xn = rms_norm(x.clone(), &layer.ffn_norm, eps);
-            let gu = xn.matmul(layer.w_gate_up.clone()); // [n, 2i]
-            let gate = gu.clone().slice([0..n, 0..inter]);
-            let up = gu.slice([0..n, inter..2 * inter]);
-            x = x.add(swiglu(gate, up).matmul(layer.w_down.clone()));
+        let xn = rms_norm(x.clone(), &layer.attn_norm, eps);
+        let mut qkv = xn.matmul(layer.wqkv.clone()); // [n, q + 2kv]
+        if let Some(b) = &layer.bqkv {
+            qkv = qkv.add(b.clone().unsqueeze_dim::<2>(0));
         }
-        for (inp, &(_, len, _)) in inputs.iter().zip(&spans) {
-            cache.advance(inp.seq, len);
-        }
+        let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
+        let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
+        let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
+        let q = self.rope.apply(q, &batch.positions);
+        let k = self.rope.apply(k, &batch.positions);
 
+        let mut outs = Vec::with_capacity(batch.spans.len());
+        for (inp, sp) in inputs.iter().zip(&batch.spans) {
+            let (qs, ks, vs) = if batch.spans.len() == 1 {
+                (q.clone(), k.clone(), v.clone())
+            } else {
+                let r = sp.start..sp.start + sp.len;
+                (
+                    q.clone().slice([r.clone(), 0..heads, 0..hd]),
+                    k.clone().slice([r.clone(), 0..kvh, 0..hd]),
+                    v.clone().slice([r, 0..kvh, 0..hd]),
+                )
+            };
+            let (kall, vall) = cache.append(li, inp.seq, ks, vs)?;
+            outs.push(causal_gqa_attention(qs, kall, vall, sp.past));
+        }
+        let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
+        let x = x.add(attn.matmul(layer.wo.clone()));
+
+        let xn = rms_norm(x.clone(), &layer.ffn_norm, eps);
+        let gu = xn.matmul(layer.w_gate_up.clone()); // [n, 2i]
+        let gate = gu.clone().slice([0..n, 0..inter]);
+        let up = gu.slice([0..n, inter..2 * inter]);
+        Ok(x.add(swiglu(gate, up).matmul(layer.w_down.clone())))
+    }
+
+    /// Final RMSNorm and LM head over the rows `wanted` of the residual stream `x`.
+    pub(crate) fn head(&self, x: Tensor<2>, batch: &Batch, wanted: LogitsWanted) -> ForwardOutput {
         let (x, rows) = match wanted {
-            LogitsWanted::All => (x, spans.iter().map(|&(s, l, _)| s..s + l).collect()),
+            LogitsWanted::All => (x, batch.spans.iter().map(|s| s.start..s.start + s.len).collect()),
             LogitsWanted::Last => {
-                let last: Vec<i64> = spans.iter().map(|&(s, l, _)| (s + l - 1) as i64).collect();
+                let last: Vec<i64> = batch.spans.iter().map(|s| (s.start + s.len - 1) as i64).collect();
                 let m = last.len();
-                let idx: Tensor<1, Int> = Tensor::from_data(TensorData::new(last, [m]), dev);
+                let idx: Tensor<1, Int> = Tensor::from_data(TensorData::new(last, [m]), &self.device);
                 (x.select(0, idx), (0..m).map(|i| i..i + 1).collect())
             }
         };
-        let hidden = rms_norm(x, &self.norm, eps);
+        let hidden = rms_norm(x, &self.norm, self.config.rms_norm_eps);
         let logits = hidden.clone().matmul(self.lm_head.clone());
-        Ok(ForwardOutput { logits, hidden, rows })
+        ForwardOutput { logits, hidden, rows }
     }
+}
+
+/// One sequence's place in a prepared batch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Span {
+    /// First row of the sequence in the batch's token matrix.
+    pub start: usize,
+    /// Number of new tokens.
+    pub len: usize,
+    /// Tokens already cached before this forward.
+    pub past: usize,
+}
+
+/// A validated batch: token ids and absolute positions of all new tokens, `[tokens]` each.
+#[derive(Debug, Clone)]
+pub(crate) struct Batch {
+    pub n: usize,
+    pub ids: Tensor<1, Int>,
+    pub positions: Tensor<1, Int>,
+    pub spans: Vec<Span>,
 }
