@@ -4,7 +4,7 @@
 //! `models/qwen2/modeling_qwen2.py`; Touvron et al. 2023 ("LLaMA"), §2.2.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use deco_formats::checkpoint::Checkpoint;
+use deco_formats::checkpoint::{Checkpoint, hf_expected_shape};
 use deco_formats::config::{ModelConfig, RopeScaling};
 use deco_kernels::ops::{RopeTable, causal_gqa_attention, rms_norm, rope_inv_freq, swiglu};
 
@@ -144,9 +144,37 @@ impl Llama {
     /// # Errors
     /// The checkpoint's errors: missing tensors, shape mismatches, unsupported quantization types.
     pub fn load(ckpt: &Checkpoint, device: &Device, max_positions: Option<usize>) -> Result<Self> {
-        let cfg = ckpt.config.clone();
+        Self::load_from(&ckpt.config, &|name| Ok(ckpt.tensor(name)?), device, max_positions)
+    }
+
+    /// Builds the model from any source of f32 tensors in transformers names and layout
+    /// (`tensor(name) -> (shape, row-major data)`), e.g. weights that a quantizer or a pruner
+    /// has just rewritten.
+    ///
+    /// # Errors
+    /// Whatever `tensor` returns for a missing or malformed weight.
+    pub fn load_from(
+        config: &ModelConfig,
+        tensor: &dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)>,
+        device: &Device,
+        max_positions: Option<usize>,
+    ) -> Result<Self> {
+        let cfg = config.clone();
         let h = cfg.hidden_size;
-        let get = |name: &str| -> Result<Vec<f32>> { Ok(ckpt.tensor(name)?.1) };
+        // Every weight is checked against the shape transformers gives it before it is used.
+        let fetch = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
+            let (shape, data) = tensor(name)?;
+            let expected = hf_expected_shape(&cfg, name)
+                .ok_or_else(|| Error::InvalidInput(format!("unknown weight name `{name}`")))?;
+            if shape != expected || data.len() != expected.iter().product::<usize>() {
+                return Err(Error::InvalidInput(format!(
+                    "weight `{name}` has shape {shape:?} ({} values), expected {expected:?}",
+                    data.len()
+                )));
+            }
+            Ok((shape, data))
+        };
+        let get = |name: &str| -> Result<Vec<f32>> { Ok(fetch(name)?.1) };
         let t1 = |v: Vec<f32>| -> Tensor<1> {
             let n = v.len();
             Tensor::from_data(TensorData::new(v, [n]), device)
@@ -154,7 +182,7 @@ impl Llama {
         // Loads a `[out, in]` weight and returns it transposed, `[in, out]`, on the host, with
         // its output size.
         let get_t = |name: &str| -> Result<(Vec<f32>, usize)> {
-            let (shape, data) = ckpt.tensor(name)?;
+            let (shape, data) = fetch(name)?;
             let (out, inp) = (shape[0], shape[1]);
             Ok((transpose_host(&data, out, inp), out))
         };
