@@ -7,6 +7,7 @@
 //!
 //! Errors are reported through [`Error`]; every error that concerns a file names it.
 
+pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod error;

@@ -1,0 +1,169 @@
+//! Chat template tests: the real templates stored in the shared GGUF files, and the
+//! transformers-specific parts of the Jinja environment. Expected strings are written by hand
+//! from the template source and Jinja's semantics (`trim_blocks`, `lstrip_blocks`).
+
+use std::path::PathBuf;
+
+use deco_formats::Error;
+use deco_formats::chat_template::{ChatMessage, ChatTemplate};
+use deco_formats::gguf::GgufFile;
+use deco_formats::tokenizer::Tokenizer;
+
+fn shared() -> PathBuf {
+    std::env::var_os("DECO_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared")))
+}
+
+fn gguf_template(rel: &str) -> String {
+    let gguf = GgufFile::open(shared().join(rel)).expect("open gguf");
+    gguf.get_str("tokenizer.chat_template").expect("chat template").to_owned()
+}
+
+fn smollm2_template() -> ChatTemplate {
+    ChatTemplate::new(gguf_template("models/SmolLM2-135M-Instruct.Q4_1.gguf")).expect("compile")
+}
+
+fn msgs(list: &[(&str, &str)]) -> Vec<ChatMessage> {
+    list.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
+}
+
+#[test]
+fn smollm2_system_and_user() {
+    let t = smollm2_template();
+    let out = t
+        .render(&msgs(&[("system", "You are terse."), ("user", "Hi")]), true, "<|im_start|>", "<|im_end|>")
+        .expect("render");
+    assert_eq!(
+        out,
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn smollm2_default_system_prompt() {
+    // The template inserts its own system message when the first message is not a system one.
+    let t = smollm2_template();
+    let out = t.render(&msgs(&[("user", "Hi")]), true, "<|im_start|>", "<|im_end|>").expect("render");
+    assert_eq!(
+        out,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    // Multi-turn, no generation prompt.
+    let out =
+        t.render(&msgs(&[("user", "2+2?"), ("assistant", "4"), ("user", "Thanks")]), false, "", "").expect("render");
+    assert_eq!(
+        out,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nThanks<|im_end|>\n"
+    );
+    // No messages: nothing but the generation prompt.
+    assert_eq!(t.render(&[], true, "", "").expect("render"), "<|im_start|>assistant\n");
+}
+
+#[test]
+fn smollm2_prompt_tokenizes_with_special_tokens() {
+    let gguf = GgufFile::open(shared().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")).expect("open");
+    let tok = Tokenizer::from_gguf(&gguf).expect("tokenizer");
+    let t = ChatTemplate::new(tok.chat_template().expect("template")).expect("compile");
+    let prompt = t
+        .render(&msgs(&[("system", "S"), ("user", "Hi")]), true, &tok.bos_token().unwrap_or_default(), "")
+        .expect("render");
+    let ids = tok.encode(&prompt, true).expect("encode");
+    // <|im_start|> = 1, <|im_end|> = 2, "\n" = 198.
+    assert_eq!(ids.first(), Some(&1));
+    assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 3);
+    assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 2);
+    assert_eq!(ids.last(), Some(&198));
+}
+
+#[test]
+fn qwen2_default_system_prompt() {
+    let t = ChatTemplate::new(gguf_template("tokenizer-tests/ggml-vocab-qwen2.gguf")).expect("compile");
+    let out = t.render(&msgs(&[("user", "Hello")]), true, "", "").expect("render");
+    assert_eq!(
+        out,
+        "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn trim_blocks_and_lstrip_blocks_like_transformers() {
+    let src = "{% for message in messages %}\n    {% if message.role == 'system' %}\n<<SYS>>{{ message.content | trim }}<</SYS>>\n    {% else %}\n[{{ message.role | upper }}] {{ message['content'].strip() }}\n    {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}[ASSISTANT]{% endif %}\n";
+    let t = ChatTemplate::new(src).expect("compile");
+    let out = t.render(&msgs(&[("system", "  sys "), ("user", " hi\n")]), true, "", "").expect("render");
+    // Block-tag lines vanish entirely; the template's final newline is dropped.
+    assert_eq!(out, "<<SYS>>sys<</SYS>>\n[USER] hi\n[ASSISTANT]");
+}
+
+#[test]
+fn bos_eos_variables_and_python_methods() {
+    let src = "{{ bos_token }}{% for m in messages %}{% if m.content.startswith('!') %}{% continue %}{% endif %}{{ m.role.title() }}: {{ m.content.replace('a', 'A') }}{{ eos_token }}{% endfor %}{% for k, v in {'x': 1}.items() %}{{ k }}={{ v }}{% endfor %}";
+    let t = ChatTemplate::new(src).expect("compile");
+    let out = t
+        .render(&msgs(&[("user", "banana"), ("user", "!skip"), ("assistant", "ok")]), false, "<s>", "</s>")
+        .expect("render");
+    assert_eq!(out, "<s>User: bAnAnA</s>Assistant: ok</s>x=1");
+}
+
+#[test]
+fn tojson_is_python_json_dumps() {
+    let t = ChatTemplate::new("{{ tools | tojson }}|{{ messages | tojson }}|{{ tools[0] | tojson(indent=2) }}")
+        .expect("compile");
+    let extra = serde_json::json!({"tools": [{"name": "get_weather", "parameters": {"city": "Zürich <x>", "days": 3, "scale": 1.5, "ok": true, "none": null}}]});
+    let out = t.render_with(&msgs(&[("user", "Hi \"there\"")]), false, "", "", &extra).expect("render");
+    // Keys of `extra` come from serde_json (sorted); message fields keep their order.
+    assert_eq!(
+        out,
+        "[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Zürich <x>\", \"days\": 3, \"none\": null, \"ok\": true, \"scale\": 1.5}}]\
+         |[{\"role\": \"user\", \"content\": \"Hi \\\"there\\\"\"}]\
+         |{\n  \"name\": \"get_weather\",\n  \"parameters\": {\n    \"city\": \"Zürich <x>\",\n    \"days\": 3,\n    \"none\": null,\n    \"ok\": true,\n    \"scale\": 1.5\n  }\n}"
+    );
+    let t = ChatTemplate::new("{{ 'é\n' | tojson(ensure_ascii=true) }}").expect("compile");
+    assert_eq!(t.render(&[], false, "", "").expect("render"), "\"\\u00e9\\n\"");
+}
+
+#[test]
+fn raise_exception_fails_with_message() {
+    let src = "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}{{ raise_exception('Conversation roles must be user/assistant') }}{% endif %}{{ m.content }}{% endfor %}";
+    let t = ChatTemplate::new(src).expect("compile");
+    assert_eq!(t.render(&msgs(&[("user", "a"), ("assistant", "b")]), false, "", "").expect("render"), "ab");
+    let err = t.render(&msgs(&[("system", "x")]), false, "", "").expect_err("must raise");
+    assert!(matches!(err, Error::ChatTemplate(_)));
+    assert!(err.to_string().contains("Conversation roles must be user/assistant"), "{err}");
+}
+
+#[test]
+fn strftime_now_formats_current_date() {
+    let t = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}").expect("compile");
+    let out = t.render(&[], false, "", "").expect("render");
+    let parts: Vec<&str> = out.split('-').collect();
+    assert_eq!(parts.len(), 3, "{out}");
+    assert!(parts[0].parse::<u32>().is_ok_and(|y| y >= 2024), "{out}");
+    assert!(parts[1].parse::<u32>().is_ok_and(|m| (1..=12).contains(&m)), "{out}");
+    assert!(parts[2].parse::<u32>().is_ok_and(|d| (1..=31).contains(&d)), "{out}");
+}
+
+#[test]
+fn bad_templates_are_clear_errors() {
+    let err = ChatTemplate::new("line one\n{% for m in messages %}{{ m.content }}").expect_err("unclosed for");
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ChatTemplate(_)));
+    assert!(msg.starts_with("chat template: syntax error"), "{msg}");
+    assert!(msg.contains("line"), "{msg}");
+
+    // minijinja resolves filters when rendering (Jinja2 when compiling): an error either way.
+    let err = ChatTemplate::new("{{ messages[0].content | no_such_filter }}")
+        .and_then(|t| t.render(&msgs(&[("user", "x")]), false, "", ""))
+        .expect_err("unknown filter");
+    assert!(err.to_string().contains("no_such_filter"), "{err}");
+
+    // Runtime failures are errors too, never panics.
+    let t = ChatTemplate::new("{{ messages[0].content.no_such_method() }}").expect("compile");
+    assert!(t.render(&msgs(&[("user", "x")]), false, "", "").is_err());
+    let t = ChatTemplate::new("{{ messages[0].content.missing.deeper }}").expect("compile");
+    assert!(t.render(&msgs(&[("user", "x")]), false, "", "").is_err());
+    let err = t.render_with(&[], false, "", "", &serde_json::json!([1])).expect_err("extra must be an object");
+    assert!(err.to_string().contains("object"), "{err}");
+}
