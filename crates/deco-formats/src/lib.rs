@@ -13,5 +13,6 @@ pub mod config;
 pub mod error;
 pub mod ggml;
 pub mod gguf;
+pub mod tokenizer;
 
 pub use error::{Error, Result};
