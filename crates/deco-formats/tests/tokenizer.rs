@@ -187,7 +187,9 @@ fn all_texts() -> Vec<String> {
 
 #[test]
 fn decode_inverts_encode() {
-    for path in [smollm2_path(), vocab_path("qwen2"), vocab_path("llama-bpe"), vocab_path("gpt-2")] {
+    for path in
+        [smollm2_path(), vocab_path("qwen2"), vocab_path("llama-bpe"), vocab_path("gpt-2"), vocab_path("llama-spm")]
+    {
         let tok = load_gguf(&path);
         for text in all_texts() {
             for parse_special in [false, true] {
@@ -399,4 +401,11 @@ fn unsupported_gguf_tokenizers_are_clear_errors() {
     let err = Tokenizer::from_gguf(&GgufFile::open(&p).expect("open")).expect_err("no model key");
     assert!(err.to_string().contains("tokenizer.ggml.model"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tokenizer_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<deco_formats::chat_template::ChatTemplate>();
 }
