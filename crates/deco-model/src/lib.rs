@@ -10,6 +10,7 @@
 //! [`KvCache`] trait; [`DenseKvCache`] is the contiguous implementation, and a paged cache for
 //! continuous batching implements the same trait.
 
+pub mod calibrate;
 pub mod error;
 pub mod kv_cache;
 pub mod llama;

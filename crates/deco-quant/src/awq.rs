@@ -1,0 +1,198 @@
+//! AWQ: activation-aware weight quantization (Lin et al. 2024, "AWQ", §3.2–3.3), following
+//! mit-han-lab/llm-awq `auto_scale.auto_scale_block` / `_search_module_scale` and
+//! `auto_clip.auto_clip_layer`.
+//!
+//! The searches here are model-agnostic: the caller passes the block whose output error is
+//! minimised as a closure (see `deco_quant::pipeline` for the Llama wiring: Q/K/V scaled through
+//! the input RMSNorm with the attention block as the objective, gate/up through the post-attention
+//! RMSNorm with the MLP as objective, down through up_proj).
+
+use crate::scheme::{Granularity, Scheme, fake_quant};
+use crate::{Error, Result};
+
+/// Per-input-channel mean absolute activation `mean_t |x[t, j]|` (llm-awq `get_act_scale`).
+///
+/// `x` is `[tokens, cols]`; returns `[cols]`.
+pub fn act_mean_abs(x: &[f32], tokens: usize, cols: usize) -> Vec<f32> {
+    let mut acc = vec![0.0f64; cols];
+    for t in 0..tokens {
+        for (a, &v) in acc.iter_mut().zip(&x[t * cols..(t + 1) * cols]) {
+            *a += v.abs() as f64;
+        }
+    }
+    acc.iter().map(|&a| (a / tokens.max(1) as f64) as f32).collect()
+}
+
+/// AWQ scales for one grid point: `s = max(mean|x|^ratio, 1e-4)`, then `s / sqrt(max s · min s)`.
+/// Always finite and positive, also for all-zero channels (`0^ratio` is clamped to `1e-4`).
+pub fn scales_for_ratio(x_mean: &[f32], ratio: f64) -> Vec<f32> {
+    let s: Vec<f64> = x_mean.iter().map(|&m| (m as f64).powf(ratio).max(1e-4)).collect();
+    let mx = s.iter().copied().fold(f64::MIN, f64::max);
+    let mn = s.iter().copied().fold(f64::MAX, f64::min);
+    let norm = (mx * mn).sqrt();
+    s.iter().map(|&v| (v / norm) as f32).collect()
+}
+
+/// `Q(W · diag(s)) · diag(s)⁻¹` for a `[rows, cols]` weight: the weight as the scaled layer sees
+/// it after quantization, expressed back in the unscaled input basis.
+///
+/// # Errors
+/// As [`fake_quant`].
+pub fn scaled_fake_quant(w: &[f32], rows: usize, cols: usize, s: &[f32], scheme: &Scheme) -> Result<Vec<f32>> {
+    let mut ws = w.to_vec();
+    for r in 0..rows {
+        for c in 0..cols {
+            ws[r * cols + c] *= s[c];
+        }
+    }
+    let mut q = fake_quant(&ws, rows, cols, scheme)?;
+    for r in 0..rows {
+        for c in 0..cols {
+            q[r * cols + c] /= s[c];
+        }
+    }
+    Ok(q)
+}
+
+/// Outcome of [`search_scale`].
+#[derive(Debug, Clone)]
+pub struct ScaleSearch {
+    /// Best scales `[cols]`.
+    pub scales: Vec<f32>,
+    /// Best exponent `r`.
+    pub ratio: f64,
+    /// Block loss at each grid point `r = i / n_grid`.
+    pub losses: Vec<f64>,
+}
+
+/// Grid search of the AWQ scale exponent (llm-awq `_search_module_scale`): for
+/// `r = 0, 1/n_grid, …, (n_grid-1)/n_grid`, quantize every weight sharing the input with
+/// [`scaled_fake_quant`] and evaluate `block_loss` (the block's output MSE against the
+/// original); keep the best `r`.
+///
+/// `weights` are `(data, rows)` pairs of `[rows, cols]` matrices.
+///
+/// # Errors
+/// Invalid scheme, `n_grid == 0`, or whatever `block_loss` returns.
+pub fn search_scale(
+    x_mean: &[f32],
+    weights: &[(&[f32], usize)],
+    cols: usize,
+    scheme: &Scheme,
+    n_grid: usize,
+    block_loss: &mut dyn FnMut(&[Vec<f32>]) -> Result<f64>,
+) -> Result<ScaleSearch> {
+    if n_grid == 0 {
+        return Err(crate::invalid("n_grid", "must be positive"));
+    }
+    if x_mean.len() != cols {
+        return Err(Error::Shape(format!("{} activation means for {cols} input features", x_mean.len())));
+    }
+    let mut best: Option<(f64, f64, Vec<f32>)> = None;
+    let mut losses = Vec::with_capacity(n_grid);
+    for i in 0..n_grid {
+        let ratio = i as f64 / n_grid as f64;
+        let s = scales_for_ratio(x_mean, ratio);
+        let qs = weights.iter().map(|(w, rows)| scaled_fake_quant(w, *rows, cols, &s, scheme)).collect::<Result<Vec<_>>>()?;
+        let loss = block_loss(&qs)?;
+        losses.push(loss);
+        if best.as_ref().is_none_or(|b| loss < b.0) {
+            best = Some((loss, ratio, s));
+        }
+    }
+    let (_, ratio, scales) = best.expect("n_grid > 0");
+    Ok(ScaleSearch { scales, ratio, losses })
+}
+
+/// Clipping search (llm-awq `auto_clip_layer`): for every output row and group, the clip value
+/// `max|w| · (1 - i/n_grid)`, `i < max_shrink · n_grid`, whose quantized group output
+/// `x_g · clamp(w_g)ᵀ` has the least MSE over the `tokens` inputs `x` (`[tokens, cols]`).
+/// Returns the clip values `[rows, groups]`.
+///
+/// # Errors
+/// Invalid scheme or shapes.
+pub fn search_clip(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    tokens: usize,
+    scheme: &Scheme,
+    n_grid: usize,
+    max_shrink: f64,
+) -> Result<Vec<f32>> {
+    scheme.validate(cols)?;
+    if w.len() != rows * cols || x.len() != tokens * cols {
+        return Err(Error::Shape("search_clip: weight or input size".into()));
+    }
+    let gs = match scheme.granularity {
+        Granularity::PerGroup(g) => g,
+        _ => cols,
+    };
+    let groups = cols / gs;
+    let row_scheme = Scheme { granularity: Granularity::PerChannel, ..*scheme };
+    let mut best_val = vec![0.0f32; rows * groups];
+    let steps = ((max_shrink * n_grid as f64) as usize).max(1);
+    let mut xg = vec![0.0f32; tokens * gs];
+    let mut wg = vec![0.0f32; rows * gs];
+    let mut org = vec![0.0f32; tokens * rows];
+    let mut out = vec![0.0f32; tokens * rows];
+    for g in 0..groups {
+        for t in 0..tokens {
+            xg[t * gs..(t + 1) * gs].copy_from_slice(&x[t * cols + g * gs..t * cols + (g + 1) * gs]);
+        }
+        for r in 0..rows {
+            wg[r * gs..(r + 1) * gs].copy_from_slice(&w[r * cols + g * gs..r * cols + (g + 1) * gs]);
+        }
+        sgemm_abt(&xg, &wg, tokens, gs, rows, &mut org);
+        let org_max: Vec<f32> = (0..rows).map(|r| wg[r * gs..(r + 1) * gs].iter().fold(0.0f32, |m, v| m.max(v.abs()))).collect();
+        let mut best_err = vec![f64::INFINITY; rows];
+        for i in 0..steps {
+            let f = 1.0 - i as f32 / n_grid as f32;
+            let mut clamped = wg.clone();
+            for r in 0..rows {
+                let m = org_max[r] * f;
+                for v in &mut clamped[r * gs..(r + 1) * gs] {
+                    *v = v.clamp(-m, m);
+                }
+            }
+            let q = fake_quant(&clamped, rows, gs, &row_scheme)?;
+            sgemm_abt(&xg, &q, tokens, gs, rows, &mut out);
+            let mut err = vec![0.0f64; rows];
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let d = (out[t * rows + r] - org[t * rows + r]) as f64;
+                    err[r] += d * d;
+                }
+            }
+            for r in 0..rows {
+                if err[r] < best_err[r] {
+                    best_err[r] = err[r];
+                    best_val[r * groups + g] = org_max[r] * f;
+                }
+            }
+        }
+    }
+    Ok(best_val)
+}
+
+/// Clamps every group of `w` (`[rows, cols]`) to `±clip[r, g]` (llm-awq `apply_clip`).
+pub fn apply_clip(w: &mut [f32], rows: usize, cols: usize, clip: &[f32]) {
+    let groups = clip.len() / rows.max(1);
+    let gs = cols / groups.max(1);
+    for r in 0..rows {
+        for c in 0..cols {
+            let m = clip[r * groups + c / gs];
+            w[r * cols + c] = w[r * cols + c].clamp(-m, m);
+        }
+    }
+}
+
+/// `out[m, n] = a[m, k] · b[n, k]ᵀ` (row-major f32).
+pub(crate) fn sgemm_abt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
+    assert!(a.len() >= m * k && b.len() >= n * k && out.len() >= m * n);
+    // SAFETY: bounds asserted above; strides describe row-major a, transposed b, row-major out.
+    unsafe {
+        matrixmultiply::sgemm(m, k, n, 1.0, a.as_ptr(), k as isize, 1, b.as_ptr(), 1, k as isize, 0.0, out.as_mut_ptr(), n as isize, 1);
+    }
+}

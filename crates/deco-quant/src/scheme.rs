@@ -1,0 +1,255 @@
+//! Uniform integer quantization schemes (round-to-nearest, "RTN").
+//!
+//! The scale/zero convention is AutoGPTQ's `Quantizer.find_params` / `quantize`
+//! (IST-DASLab/gptq `quant.py`), so that codes written here mean the same in the GPTQ export:
+//!
+//! - `maxq = 2^bits - 1`; over a group of values `xmin = min(min x, 0)`, `xmax = max(max x, 0)`
+//!   (the range always contains zero);
+//! - symmetric (`sym`): `xmax = max(|xmin|, xmax)`, `xmin = -xmax`, `zero = (maxq + 1) / 2`;
+//! - asymmetric: `zero = round(-xmin / scale)`;
+//! - `scale = (xmax - xmin) / maxq` (a group of zeros gets `xmin = -1, xmax = 1`);
+//! - code `q = clamp(round(x / scale) + zero, 0, maxq)`, value `scale * (q - zero)`.
+//!
+//! Rounding is half to even (`torch.round`). Every value inside the group's range is reproduced
+//! within half a step (`scale / 2`), and in asymmetric mode 0.0 is the exact code `zero`.
+
+use crate::{Result, invalid};
+
+/// Which values share one scale and zero point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Granularity {
+    /// One scale for the whole matrix.
+    PerTensor,
+    /// One scale per output channel (row of `[out, in]`).
+    PerChannel,
+    /// One scale per output channel and per run of `group_size` consecutive input columns.
+    PerGroup(usize),
+}
+
+/// A uniform quantization scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scheme {
+    /// Bits per code: 2, 3, 4 or 8.
+    pub bits: u32,
+    /// Symmetric (fixed zero point `2^(bits-1)`) or asymmetric (per-group zero point).
+    pub sym: bool,
+    /// Which values share parameters.
+    pub granularity: Granularity,
+}
+
+impl Scheme {
+    /// Largest code, `2^bits - 1`.
+    pub fn maxq(&self) -> u32 {
+        (1u32 << self.bits) - 1
+    }
+
+    /// Checks `bits` and that `group_size` divides `cols`.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidParameter`] naming `bits` or `group_size`.
+    pub fn validate(&self, cols: usize) -> Result<()> {
+        check_bits(self.bits)?;
+        if let Granularity::PerGroup(g) = self.granularity {
+            if g == 0 {
+                return Err(invalid("group_size", "must be positive"));
+            }
+            if cols % g != 0 {
+                return Err(invalid("group_size", format!("{g} does not divide the input dimension {cols}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of column groups for `cols` input columns.
+    pub fn groups(&self, cols: usize) -> usize {
+        match self.granularity {
+            Granularity::PerGroup(g) => cols / g,
+            _ => 1,
+        }
+    }
+}
+
+/// Checks that `bits` is one of 2, 3, 4, 8.
+///
+/// # Errors
+/// [`crate::Error::InvalidParameter`] naming `bits`.
+pub fn check_bits(bits: u32) -> Result<()> {
+    if matches!(bits, 2 | 3 | 4 | 8) { Ok(()) } else { Err(invalid("bits", format!("{bits} is not one of 2, 3, 4, 8"))) }
+}
+
+/// Scale and zero point of one group (AutoGPTQ `Quantizer.find_params`, `weight=True`).
+///
+/// Returns `(scale, zero)`; `scale > 0` and finite for finite input, `zero` an integer in
+/// `0..=maxq` stored as f32.
+pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) -> (f32, f32) {
+    let maxq = ((1u32 << bits) - 1) as f64;
+    let (mut lo, mut hi) = (0.0f64, 0.0f64);
+    for v in values {
+        lo = lo.min(v as f64);
+        hi = hi.max(v as f64);
+    }
+    if sym {
+        hi = hi.max(-lo);
+        if lo < 0.0 {
+            lo = -hi;
+        }
+    }
+    if lo == 0.0 && hi == 0.0 {
+        lo = -1.0;
+        hi = 1.0;
+    }
+    let scale = ((hi - lo) / maxq) as f32;
+    let zero = if sym { (maxq + 1.0) / 2.0 } else { (-lo / scale as f64).round_ties_even().clamp(0.0, maxq) };
+    (scale, zero as f32)
+}
+
+/// The code of `x` (AutoGPTQ `quantize`): `clamp(round_half_even(x / scale) + zero, 0, maxq)`.
+#[inline]
+pub fn quantize_value(x: f32, scale: f32, zero: f32, maxq: u32) -> u8 {
+    let q = (x as f64 / scale as f64).round_ties_even() + zero as f64;
+    q.clamp(0.0, maxq as f64) as u8
+}
+
+/// The value of a code: `scale * (q - zero)` (exact product rounded once to f32).
+#[inline]
+pub fn dequantize_value(q: u8, scale: f32, zero: f32) -> f32 {
+    (scale as f64 * (q as f64 - zero as f64)) as f32
+}
+
+/// A quantized `[rows, cols]` matrix: integer codes plus scales and zero points.
+///
+/// Parameters live in `[param_rows, groups]` arrays (`param_rows` is 1 per-tensor, `rows`
+/// otherwise); column `c` of row `r` uses group `g_idx[c]` (consecutive groups for
+/// [`Granularity::PerGroup`], a permuted assignment after GPTQ `desc_act`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantizedTensor {
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// Bits per code.
+    pub bits: u32,
+    /// Symmetric scheme.
+    pub sym: bool,
+    /// Input columns per group (`cols` for per-channel and per-tensor).
+    pub group_size: usize,
+    /// `[rows, cols]` codes in `0..2^bits`.
+    pub codes: Vec<u8>,
+    /// `[param_rows, groups]` scales.
+    pub scales: Vec<f32>,
+    /// `[param_rows, groups]` zero points (integers).
+    pub zeros: Vec<f32>,
+    /// `[cols]` group of each input column.
+    pub g_idx: Vec<u32>,
+    /// 1 for per-tensor parameters, `rows` otherwise.
+    pub param_rows: usize,
+}
+
+impl QuantizedTensor {
+    /// Number of groups per parameter row.
+    pub fn groups(&self) -> usize {
+        self.scales.len() / self.param_rows
+    }
+
+    /// Dequantizes to a `[rows, cols]` f32 matrix.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let g = self.groups();
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        for r in 0..self.rows {
+            let pr = if self.param_rows == 1 { 0 } else { r };
+            for c in 0..self.cols {
+                let p = pr * g + self.g_idx[c] as usize;
+                out.push(dequantize_value(self.codes[r * self.cols + c], self.scales[p], self.zeros[p]));
+            }
+        }
+        out
+    }
+
+    /// Storage cost in bits per weight: the codes plus 16-bit scales and `bits`-bit zero points
+    /// (the AutoGPTQ layout; `g_idx` not counted since it is implied unless `desc_act`).
+    pub fn bits_per_weight(&self) -> f64 {
+        let params = self.scales.len() as f64 * (16.0 + self.bits as f64);
+        self.bits as f64 + params / (self.rows * self.cols) as f64
+    }
+}
+
+/// Round-to-nearest quantization of a `[rows, cols]` row-major matrix.
+///
+/// # Errors
+/// [`crate::Error::InvalidParameter`] for unsupported `bits` or a `group_size` that does not
+/// divide `cols`; [`crate::Error::Shape`] if `w.len() != rows * cols`.
+pub fn quantize_rtn(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+    scheme.validate(cols)?;
+    if w.len() != rows * cols {
+        return Err(crate::Error::Shape(format!("{} values for a {rows}x{cols} matrix", w.len())));
+    }
+    let maxq = scheme.maxq();
+    let (group_size, groups) = match scheme.granularity {
+        Granularity::PerGroup(g) => (g, cols / g),
+        _ => (cols, 1),
+    };
+    let param_rows = if scheme.granularity == Granularity::PerTensor { 1 } else { rows };
+    let mut scales = Vec::with_capacity(param_rows * groups);
+    let mut zeros = Vec::with_capacity(param_rows * groups);
+    if param_rows == 1 {
+        let (s, z) = find_params(w.iter().copied(), scheme.bits, scheme.sym);
+        scales.push(s);
+        zeros.push(z);
+    } else {
+        for r in 0..rows {
+            for g in 0..groups {
+                let row = &w[r * cols + g * group_size..r * cols + (g + 1) * group_size];
+                let (s, z) = find_params(row.iter().copied(), scheme.bits, scheme.sym);
+                scales.push(s);
+                zeros.push(z);
+            }
+        }
+    }
+    let g_idx: Vec<u32> = (0..cols).map(|c| (c / group_size) as u32).collect();
+    let mut codes = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        let pr = if param_rows == 1 { 0 } else { r };
+        for c in 0..cols {
+            let p = pr * groups + g_idx[c] as usize;
+            codes.push(quantize_value(w[r * cols + c], scales[p], zeros[p], maxq));
+        }
+    }
+    Ok(QuantizedTensor {
+        rows,
+        cols,
+        bits: scheme.bits,
+        sym: scheme.sym,
+        group_size,
+        codes,
+        scales,
+        zeros,
+        g_idx,
+        param_rows,
+    })
+}
+
+/// Fake quantization (quantize then dequantize) with [`quantize_rtn`].
+///
+/// # Errors
+/// As [`quantize_rtn`].
+pub fn fake_quant(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<Vec<f32>> {
+    Ok(quantize_rtn(w, rows, cols, scheme)?.dequantize())
+}
+
+/// Symmetric absmax int8 fake quantization of each row (`scale = max|row| / 127`, codes in
+/// `-127..=127`): SmoothQuant's `quantize_weight_per_channel_absmax` and the vector-wise weight
+/// quantization of LLM.int8() (bitsandbytes `CB`/`SCB`). All-zero rows stay zero.
+pub fn absmax_int8_rows(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(w.len());
+    for r in 0..rows {
+        let row = &w[r * cols..(r + 1) * cols];
+        let amax = row.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
+        if amax == 0.0 {
+            out.extend(std::iter::repeat_n(0.0, cols));
+            continue;
+        }
+        let s = amax / 127.0;
+        out.extend(row.iter().map(|&v| (v / s).round_ties_even().clamp(-127.0, 127.0) * s));
+    }
+    out
+}
