@@ -4,6 +4,9 @@
 //! - [`ggml`]: GGML tensor types and their block dequantization (F32 ... Q6_K).
 //! - [`config`]: model hyper-parameters in Hugging Face terms, from GGUF metadata or `config.json`.
 //! - [`checkpoint`]: tensors under transformers names from a GGUF file or a safetensors directory.
+//! - [`hf_export`]: writing a Hugging Face directory (`deco convert`).
+//! - [`tokenizer`]: tokenizers built from GGUF metadata or loaded from `tokenizer.json`.
+//! - [`chat_template`]: Hugging Face Jinja chat templates rendered with minijinja.
 //!
 //! Errors are reported through [`Error`]; every error that concerns a file names it.
 
@@ -13,6 +16,7 @@ pub mod config;
 pub mod error;
 pub mod ggml;
 pub mod gguf;
+pub mod hf_export;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -1,0 +1,116 @@
+//! `deco`: run, inspect, convert and evaluate Llama-family models.
+//!
+//! Every subcommand that takes `--model` accepts a GGUF file or a Hugging Face directory
+//! (`config.json`, `model.safetensors`, `tokenizer.json`).
+
+mod convert;
+mod generate;
+mod ppl;
+mod runtime;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+/// deco: load, decode, serve and compress Llama-family language models.
+#[derive(Debug, Parser)]
+#[command(name = "deco", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(generate::GenerateArgs),
+    /// Tokenize text and print the ids as a JSON list.
+    Tokenize(TokenizeArgs),
+    /// Print a GGUF file's metadata and tensor table (or a HF directory's config and tensors).
+    Inspect {
+        /// GGUF file or Hugging Face directory.
+        file: PathBuf,
+    },
+    /// Convert a GGUF model to a Hugging Face directory (safetensors, config, tokenizer).
+    Convert(convert::ConvertArgs),
+    /// Evaluate a model.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum EvalCommand {
+    /// Perplexity over non-overlapping windows of a text file (no BOS; each window scored on
+    /// its seqlen-1 next-token predictions). Prints `ppl=<value>` last.
+    Ppl(ppl::PplArgs),
+}
+
+/// Options shared by the commands that load a model.
+#[derive(Debug, Args, Clone)]
+pub struct ModelArgs {
+    /// GGUF file or Hugging Face model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Compute device: flex (CPU, default), wgpu, cuda.
+    #[arg(long, default_value = "flex")]
+    pub device: String,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, Args)]
+struct TokenizeArgs {
+    /// GGUF file or Hugging Face model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// The text to tokenize.
+    #[arg(long)]
+    text: String,
+    /// Treat special-token text such as `<|im_start|>` as plain text.
+    #[arg(long)]
+    no_parse_special: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(&args),
+        Command::Tokenize(args) => tokenize(&args),
+        Command::Inspect { file } => inspect(&file),
+        Command::Convert(args) => convert::run(&args),
+        Command::Eval(EvalCommand::Ppl(args)) => ppl::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn tokenize(args: &TokenizeArgs) -> Result<()> {
+    let tok = runtime::load_tokenizer(&args.model)?;
+    let ids = tok.encode(&args.text, !args.no_parse_special)?;
+    println!("{}", serde_json::to_string(&ids)?);
+    Ok(())
+}
+
+fn inspect(path: &std::path::Path) -> Result<()> {
+    if path.is_dir() {
+        let ckpt = deco_formats::checkpoint::Checkpoint::open(path)?;
+        println!("directory: {}", path.display());
+        println!("{}", serde_json::to_string_pretty(&ckpt.config.to_hf_json("float32"))?);
+        for name in deco_formats::checkpoint::hf_tensor_names(&ckpt.config) {
+            let (shape, _) = ckpt.tensor(&name).with_context(|| format!("reading {name}"))?;
+            println!("  {name:<56} {shape:?}");
+        }
+    } else {
+        let g = deco_formats::gguf::GgufFile::open(path)?;
+        print!("{}", g.describe());
+    }
+    Ok(())
+}

@@ -1,0 +1,195 @@
+//! The `deco` binary end to end: real model, real files, and bad input.
+//!
+//! Bad input must give a non-zero exit, a message naming the problem and the file, and never a
+//! panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use deco_tests::{asset, smollm2_gguf};
+
+fn deco(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_deco")).args(args).output().expect("run deco")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts a clean failure: exit code 1, no panic, the message contains every `needle`.
+fn assert_clean_error(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "expected exit 1, got {:?}; stderr: {err}", o.status);
+    assert!(!err.contains("panicked"), "panic instead of an error: {err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr does not mention {n:?}: {err}");
+    }
+}
+
+fn model_bytes() -> Vec<u8> {
+    std::fs::read(smollm2_gguf()).expect("read model")
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> usize {
+    hay.windows(needle.len()).position(|w| w == needle).unwrap_or_else(|| panic!("{needle:?} not in model header"))
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).expect("write test file");
+    p
+}
+
+/// Offset just past a metadata key string (u64 length + bytes) in the header.
+fn after_key(bytes: &[u8], key: &str) -> usize {
+    let mut pat = (key.len() as u64).to_le_bytes().to_vec();
+    pat.extend_from_slice(key.as_bytes());
+    find(bytes, &pat) + pat.len()
+}
+
+#[test]
+fn tokenize_matches_llama_cpp_ids() {
+    // Case from smollm2-cases.json (llama.cpp's tokenizer), special tokens parsed.
+    let cases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(asset("tokenizer-tests/smollm2-cases.json")).expect("cases"))
+            .expect("json");
+    let case = cases.as_array().and_then(|a| a.iter().find(|c| c["text"].as_str().is_some_and(|t| t.contains("<|im_start|>"))));
+    let case = case.expect("a chat case");
+    let text = case["text"].as_str().expect("text");
+    for (flag, key) in [(None, "ids_parse_special"), (Some("--no-parse-special"), "ids_no_special")] {
+        let model = smollm2_gguf();
+        let mut args = vec!["tokenize", "--model", model.to_str().expect("path"), "--text", text];
+        args.extend(flag);
+        let o = deco(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let got: Vec<u64> = serde_json::from_slice(&o.stdout).expect("JSON list");
+        let want: Vec<u64> = case[key].as_array().expect(key).iter().map(|x| x.as_u64().expect("id")).collect();
+        assert_eq!(got, want, "{key}");
+    }
+}
+
+#[test]
+fn generate_greedy_streams_golden_continuation() {
+    // Golden prompt 0 greedy continuation: " Paris.\n\nThe answer is: ..." (first 8 tokens have
+    // reference margins > 0.05, so f32 must reproduce them).
+    let model = smollm2_gguf();
+    let o = deco(&[
+        "generate", "--model", model.to_str().expect("path"), "--prompt", "The capital of France is",
+        "--max-new-tokens", "8", "--threads", "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout.clone()).expect("utf-8 output");
+    assert!(out.starts_with(" Paris.\n\nThe answer is:"), "{out:?}");
+    let err = stderr(&o);
+    let last = err.lines().last().expect("stats line");
+    assert!(last.starts_with("[stats] prompt_tokens=5 "), "{last}");
+    assert!(last.contains("decode_tokens=8"), "{last}");
+}
+
+#[test]
+fn inspect_prints_metadata_and_tensors() {
+    let model = smollm2_gguf();
+    let o = deco(&["inspect", model.to_str().expect("path")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("general.architecture") && out.contains("\"llama\""), "{out}");
+    assert!(out.contains("blk.0.attn_q.weight") && out.contains("Q4_1"), "{out}");
+    assert!(out.contains("token_embd.weight") && out.contains("Q8_0"), "{out}");
+    // 30 layers x 9 tensors + token_embd + output_norm.
+    assert_eq!(out.lines().filter(|l| l.trim_start().starts_with("blk.")).count(), 270);
+}
+
+#[test]
+fn missing_file_is_a_clear_error() {
+    let o = deco(&["inspect", "/nonexistent/model.gguf"]);
+    assert_clean_error(&o, &["/nonexistent/model.gguf", "No such file"]);
+    let o = deco(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"]);
+    assert_clean_error(&o, &["/nonexistent/model.gguf"]);
+}
+
+#[test]
+fn not_a_gguf_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = write(dir.path(), "notes.gguf", b"this is a text file, not a model\n");
+    let o = deco(&["inspect", p.to_str().expect("path")]);
+    assert_clean_error(&o, &["notes.gguf", "not a GGUF file"]);
+}
+
+#[test]
+fn truncated_header_and_data_are_clear_errors() {
+    let bytes = model_bytes();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = write(dir.path(), "head.gguf", &bytes[..200]);
+    let o = deco(&["inspect", p.to_str().expect("path")]);
+    assert_clean_error(&o, &["head.gguf", "truncated"]);
+    let p = write(dir.path(), "half.gguf", &bytes[..bytes.len() / 2]);
+    let o = deco(&["inspect", p.to_str().expect("path")]);
+    assert_clean_error(&o, &["half.gguf", "truncated", "data of tensor"]);
+}
+
+#[test]
+fn unknown_architecture_is_a_clear_error() {
+    let mut bytes = model_bytes();
+    // general.architecture: type 8 (string), length 5, "llama" -> "gpt_x".
+    let at = after_key(&bytes, "general.architecture");
+    assert_eq!(&bytes[at..at + 4], &8u32.to_le_bytes());
+    assert_eq!(&bytes[at + 12..at + 17], b"llama");
+    bytes[at + 12..at + 17].copy_from_slice(b"gpt_x");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = write(dir.path(), "arch.gguf", &bytes);
+    let o = deco(&["generate", "--model", p.to_str().expect("path"), "--prompt", "hi"]);
+    assert_clean_error(&o, &["arch.gguf", "unsupported architecture `gpt_x`"]);
+}
+
+#[test]
+fn unknown_quant_type_is_a_clear_error() {
+    let mut bytes = model_bytes();
+    // Tensor info of output_norm.weight: name, n_dims=1, dim 576, type (F32 = 0) -> 99.
+    let at = after_key(&bytes, "output_norm.weight");
+    assert_eq!(&bytes[at..at + 4], &1u32.to_le_bytes());
+    let ty = at + 4 + 8;
+    assert_eq!(&bytes[ty..ty + 4], &0u32.to_le_bytes());
+    bytes[ty..ty + 4].copy_from_slice(&99u32.to_le_bytes());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = write(dir.path(), "qtype.gguf", &bytes);
+    let o = deco(&["inspect", p.to_str().expect("path")]);
+    assert_clean_error(&o, &["qtype.gguf", "output_norm.weight", "unknown GGML tensor type id 99"]);
+}
+
+#[test]
+fn shape_mismatch_is_a_clear_error() {
+    let mut bytes = model_bytes();
+    // llama.feed_forward_length: u32 1536 -> 1024; the FFN tensors no longer fit the config.
+    let at = after_key(&bytes, "llama.feed_forward_length");
+    assert_eq!(&bytes[at..at + 4], &4u32.to_le_bytes());
+    assert_eq!(&bytes[at + 4..at + 8], &1536u32.to_le_bytes());
+    bytes[at + 4..at + 8].copy_from_slice(&1024u32.to_le_bytes());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = write(dir.path(), "shape.gguf", &bytes);
+    let o = deco(&["generate", "--model", p.to_str().expect("path"), "--prompt", "hi"]);
+    assert_clean_error(&o, &["shape.gguf", "mlp.down_proj.weight", "has shape [576, 1536], expected [576, 1024]"]);
+}
+
+#[test]
+fn prompt_longer_than_context_is_a_clear_error() {
+    let model = smollm2_gguf();
+    let text = asset("data/wiki_test.txt"); // ~150k tokens, context is 8192
+    let o = deco(&["generate", "--model", model.to_str().expect("path"), "--prompt-file", text.to_str().expect("path")]);
+    assert_clean_error(&o, &["prompt has", "context is 8192"]);
+}
+
+#[test]
+fn invalid_utf8_prompt_file_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = write(dir.path(), "prompt.txt", b"caf\xe9 au lait\n");
+    let model = smollm2_gguf();
+    let o = deco(&["generate", "--model", model.to_str().expect("path"), "--prompt-file", p.to_str().expect("path")]);
+    assert_clean_error(&o, &["prompt.txt", "not valid UTF-8"]);
+}
+
+#[test]
+fn out_of_range_sampling_parameter_is_a_clear_error() {
+    let model = smollm2_gguf();
+    let o = deco(&["generate", "--model", model.to_str().expect("path"), "--prompt", "hi", "--top-p", "1.5"]);
+    assert_clean_error(&o, &["top_p", "1.5"]);
+}
