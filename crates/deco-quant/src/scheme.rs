@@ -188,10 +188,11 @@ pub fn quantize_rtn(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Res
         Granularity::PerGroup(g) => (g, cols / g),
         _ => (cols, 1),
     };
-    let param_rows = if scheme.granularity == Granularity::PerTensor { 1 } else { rows };
+    let per_tensor = scheme.granularity == Granularity::PerTensor;
+    let param_rows = if per_tensor { 1 } else { rows };
     let mut scales = Vec::with_capacity(param_rows * groups);
     let mut zeros = Vec::with_capacity(param_rows * groups);
-    if param_rows == 1 {
+    if per_tensor {
         let (s, z) = find_params(w.iter().copied(), scheme.bits, scheme.sym);
         scales.push(s);
         zeros.push(z);
@@ -208,7 +209,7 @@ pub fn quantize_rtn(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Res
     let g_idx: Vec<u32> = (0..cols).map(|c| (c / group_size) as u32).collect();
     let mut codes = Vec::with_capacity(rows * cols);
     for r in 0..rows {
-        let pr = if param_rows == 1 { 0 } else { r };
+        let pr = if per_tensor { 0 } else { r };
         for c in 0..cols {
             let p = pr * groups + g_idx[c] as usize;
             codes.push(quantize_value(w[r * cols + c], scales[p], zeros[p], maxq));

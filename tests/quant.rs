@@ -1,0 +1,446 @@
+//! Quantization algorithms against independent references: RTN error bounds (proptest), GPTQ
+//! against a straightforward implementation of the paper's Algorithm 1 (explicit inverse,
+//! one column at a time), and every method against RTN on a layer with planted outlier input
+//! channels.
+
+use deco_quant::awq::{act_mean_abs, apply_clip, scaled_fake_quant, search_clip, search_scale};
+use deco_quant::gptq::{GptqConfig, Hessian, gptq_quantize};
+use deco_quant::nf4::{NF4_CODE, Nf4Tensor, dynamic_map};
+use deco_quant::scheme::{Granularity, Scheme, absmax_int8_rows, find_params, quantize_rtn};
+use deco_quant::smooth::{act_max_abs, outlier_columns, outlier_columns_auto, quant_act_per_token, smooth_scales};
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    // Box-Muller
+    (0..n)
+        .map(|_| {
+            let u1: f64 = rng.random_range(1e-12..1.0);
+            let u2: f64 = rng.random_range(0.0..1.0);
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect()
+}
+
+/// `[tokens, cols]` inputs with correlated channels: x = z · M for a random mixing M.
+fn correlated_x(rng: &mut ChaCha8Rng, tokens: usize, cols: usize) -> Vec<f32> {
+    let z = randn(rng, tokens * cols);
+    let m = randn(rng, cols * cols);
+    let mut x = vec![0.0f32; tokens * cols];
+    for t in 0..tokens {
+        for j in 0..cols {
+            let mut s = 0.0;
+            for k in 0..cols {
+                s += z[t * cols + k] * m[k * cols + j] / (cols as f32).sqrt();
+            }
+            x[t * cols + j] = s + 0.3 * z[t * cols + j];
+        }
+    }
+    x
+}
+
+fn matmul_abt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut out = vec![0.0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k).map(|l| a[i * k + l] as f64 * b[j * k + l] as f64).sum();
+        }
+    }
+    out
+}
+
+/// ||X Wᵀ − X Ŵᵀ||² / ||X Wᵀ||²
+fn out_err(x: &[f32], w: &[f32], wq: &[f32], tokens: usize, rows: usize, cols: usize) -> f64 {
+    let a = matmul_abt(x, w, tokens, cols, rows);
+    let b = matmul_abt(x, wq, tokens, cols, rows);
+    let num: f64 = a.iter().zip(&b).map(|(p, q)| (p - q).powi(2)).sum();
+    let den: f64 = a.iter().map(|p| p * p).sum();
+    num / den
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn rtn_round_trip_within_half_step(
+        rows in 1usize..5, groups in 1usize..4, gsel in 0usize..3, bits_i in 0usize..4, sym: bool,
+        seed: u64, scale in 0.01f32..100.0, nzero in 0usize..4,
+    ) {
+        let bits = [2u32, 3, 4, 8][bits_i];
+        let gs = 8;
+        let cols = groups * gs;
+        let granularity = [Granularity::PerTensor, Granularity::PerChannel, Granularity::PerGroup(gs)][gsel];
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut w: Vec<f32> = randn(&mut rng, rows * cols).iter().map(|v| v * scale).collect();
+        for i in 0..nzero.min(w.len()) { w[(i * 7) % (rows * cols)] = 0.0; }
+        let scheme = Scheme { bits, sym, granularity };
+        let q = quantize_rtn(&w, rows, cols, &scheme).unwrap();
+        let d = q.dequantize();
+        let g = q.groups();
+        for r in 0..rows {
+            for c in 0..cols {
+                let p = (if q.param_rows == 1 { 0 } else { r }) * g + q.g_idx[c] as usize;
+                let step = q.scales[p];
+                prop_assert!(step > 0.0 && step.is_finite());
+                prop_assert!(q.codes[r * cols + c] as u32 <= scheme.maxq());
+                let e = (d[r * cols + c] - w[r * cols + c]).abs();
+                prop_assert!(e <= 0.5 * step * (1.0 + 1e-5) + 1e-6 * w[r * cols + c].abs(),
+                    "r{r} c{c}: |{} - {}| = {e} > step/2 = {}", d[r * cols + c], w[r * cols + c], step / 2.0);
+                if !sym && w[r * cols + c] == 0.0 {
+                    prop_assert_eq!(d[r * cols + c], 0.0);
+                    prop_assert_eq!(q.codes[r * cols + c] as f32, q.zeros[p]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nf4_round_trip_bound(seed: u64, n in 1usize..600, scale in 0.001f32..10.0) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let w: Vec<f32> = randn(&mut rng, n).iter().map(|v| v * scale).collect();
+        let t = Nf4Tensor::quantize(&w, 64).unwrap();
+        let d = t.dequantize();
+        let am = t.absmax();
+        // Largest half-gap of the codebook is (1 - 0.6961928) / 2; the absmax itself carries the
+        // double-quantization error (checked separately below).
+        for (b, chunk) in w.chunks(64).enumerate() {
+            let exact = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            prop_assert!((am[b] - exact).abs() <= 0.02 * exact + 1e-6, "absmax {} vs {}", am[b], exact);
+            for (i, &v) in chunk.iter().enumerate() {
+                let e = (d[b * 64 + i] - v).abs();
+                prop_assert!(e <= 0.1520 * am[b] + (am[b] - exact).abs() + 1e-6);
+            }
+        }
+    }
+}
+
+#[test]
+fn rtn_hand_computed_4bit() {
+    // Row [-1, 0, 0.5, 2]: asym: xmin=-1, xmax=2, scale=3/15=0.2, zero=round(5)=5.
+    let w = [-1.0f32, 0.0, 0.5, 2.0];
+    let q = quantize_rtn(&w, 1, 4, &Scheme { bits: 4, sym: false, granularity: Granularity::PerChannel }).unwrap();
+    assert_eq!(q.scales, vec![0.2]);
+    assert_eq!(q.zeros, vec![5.0]);
+    // 0.5/0.2 = 2.5 -> round half to even = 2 (+5 = 7) -> 0.4
+    assert_eq!(q.codes, vec![0, 5, 7, 15]);
+    let d = q.dequantize();
+    assert!((d[2] - 0.4).abs() < 1e-6 && d[1] == 0.0);
+    // sym: xmax = 2, scale = 4/15, zero = 8
+    let (s, z) = find_params(w, 4, true);
+    assert!((s - 4.0 / 15.0).abs() < 1e-7 && z == 8.0);
+    // Invalid parameters are errors, not panics.
+    assert!(quantize_rtn(&w, 1, 4, &Scheme { bits: 5, sym: true, granularity: Granularity::PerChannel }).is_err());
+    assert!(quantize_rtn(&w, 1, 4, &Scheme { bits: 4, sym: true, granularity: Granularity::PerGroup(3) }).is_err());
+    assert!(quantize_rtn(&w, 2, 4, &Scheme { bits: 4, sym: true, granularity: Granularity::PerGroup(2) }).is_err());
+}
+
+/// Inverse of a symmetric matrix by Gauss-Jordan elimination (independent of deco's Cholesky).
+fn gauss_jordan_inverse(a: &[f64], n: usize) -> Vec<f64> {
+    let mut m = a.to_vec();
+    let mut inv: Vec<f64> = (0..n * n).map(|i| if i / n == i % n { 1.0 } else { 0.0 }).collect();
+    for c in 0..n {
+        let p = (c..n).max_by(|&x, &y| m[x * n + c].abs().total_cmp(&m[y * n + c].abs())).unwrap();
+        for k in 0..n {
+            m.swap(c * n + k, p * n + k);
+            inv.swap(c * n + k, p * n + k);
+        }
+        let d = m[c * n + c];
+        for k in 0..n {
+            m[c * n + k] /= d;
+            inv[c * n + k] /= d;
+        }
+        for r in 0..n {
+            if r != c {
+                let f = m[r * n + c];
+                for k in 0..n {
+                    m[r * n + k] -= f * m[c * n + k];
+                    inv[r * n + k] -= f * inv[c * n + k];
+                }
+            }
+        }
+    }
+    inv
+}
+
+/// The paper's Algorithm 1 without lazy batching or Cholesky: quantize column `j` (in `order`),
+/// spread its error with the inverse Hessian of the not-yet-quantized columns (OBS update,
+/// eq. 2–3), remove `j` from that inverse. Returns dequantized weights.
+fn reference_gptq(w: &[f32], rows: usize, cols: usize, h: &[f64], bits: u32, group: Option<usize>, desc_act: bool) -> Vec<f32> {
+    let n = cols;
+    let mut h = h.to_vec();
+    let mut wm: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+    for i in 0..n {
+        if h[i * n + i] == 0.0 {
+            h[i * n + i] = 1.0;
+            for r in 0..rows {
+                wm[r * n + i] = 0.0;
+            }
+        }
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    if desc_act {
+        order.sort_by(|&a, &b| h[b * n + b].total_cmp(&h[a * n + a]));
+    }
+    let damp = 0.01 * (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
+    for i in 0..n {
+        h[i * n + i] += damp;
+    }
+    let mut hinv = gauss_jordan_inverse(&h, n);
+    let maxq = ((1u32 << bits) - 1) as f64;
+    let params = |vals: Vec<f64>| -> (f64, f64) {
+        let (s, z) = find_params(vals.iter().map(|&v| v as f32), bits, true);
+        (s as f64, z as f64)
+    };
+    let mut p: Vec<(f64, f64)> = (0..rows).map(|r| params(order.iter().map(|&c| wm[r * n + c]).collect())).collect();
+    let mut out = vec![0.0f32; rows * cols];
+    for (pos, &j) in order.iter().enumerate() {
+        if let Some(g) = group
+            && pos % g == 0
+        {
+            p = (0..rows).map(|r| params(order[pos..pos + g].iter().map(|&c| wm[r * n + c]).collect())).collect();
+        }
+        let d = hinv[j * n + j];
+        for r in 0..rows {
+            let (s, z) = p[r];
+            let s32 = s as f32 as f64;
+            let q = ((wm[r * n + j] / s32).round_ties_even() + z).clamp(0.0, maxq);
+            let deq = s32 * (q - z);
+            out[r * n + j] = deq as f32;
+            let e = (wm[r * n + j] - deq) / d;
+            for &k in &order[pos + 1..] {
+                wm[r * n + k] -= e * hinv[j * n + k];
+            }
+        }
+        let col: Vec<f64> = (0..n).map(|a| hinv[a * n + j]).collect();
+        for a in 0..n {
+            for b in 0..n {
+                hinv[a * n + b] -= col[a] * col[b] / d;
+            }
+        }
+    }
+    out
+}
+
+fn hessian_of(x: &[f32], tokens: usize, cols: usize) -> Hessian {
+    let mut h = Hessian::new(cols);
+    // Two batches, to exercise the running average.
+    let half = tokens / 2;
+    h.add_batch(&x[..half * cols], half).unwrap();
+    h.add_batch(&x[half * cols..], tokens - half).unwrap();
+    h
+}
+
+#[test]
+fn hessian_is_two_xtx_over_n() {
+    let x = [1.0f32, 2.0, 3.0, -1.0, 0.5, 0.0];
+    let h = hessian_of(&x, 3, 2);
+    // X^T X = [[1+9+0.25, 2-3+0], [.., 4+1+0]] = [[10.25, -1], [-1, 5]]; H = 2/3 of it.
+    let want = [10.25 * 2.0 / 3.0, -2.0 / 3.0, -2.0 / 3.0, 10.0 / 3.0];
+    for (a, b) in h.h.iter().zip(want) {
+        assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+    }
+    assert_eq!(h.n, 3);
+}
+
+#[test]
+fn gptq_matches_algorithm_1() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (rows, cols, tokens) = (6, 24, 64);
+    let x = correlated_x(&mut rng, tokens, cols);
+    let w = randn(&mut rng, rows * cols);
+    let h = hessian_of(&x, tokens, cols);
+    for (group, desc_act) in [(None, false), (Some(8), false), (None, true), (Some(8), true)] {
+        let cfg = GptqConfig { bits: 3, group_size: group, sym: true, damp_percent: 0.01, desc_act, static_groups: false, blocksize: 8 };
+        let got = gptq_quantize(&w, rows, cols, &h, &cfg).unwrap().q.dequantize();
+        let want = reference_gptq(&w, rows, cols, &h.h, 3, group, desc_act);
+        let max = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(max < 1e-4, "group {group:?} desc_act {desc_act}: max diff {max}");
+        // Not RTN: GPTQ moves some weights to another code than plain rounding.
+        let rtn = quantize_rtn(&w, rows, cols, &Scheme { bits: 3, sym: true, granularity: group.map_or(Granularity::PerChannel, Granularity::PerGroup) }).unwrap().dequantize();
+        assert!(got.iter().zip(&rtn).any(|(a, b)| a != b));
+    }
+}
+
+#[test]
+fn gptq_desc_act_g_idx_and_static_groups() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (rows, cols, tokens) = (4, 16, 64);
+    let x: Vec<f32> = correlated_x(&mut rng, tokens, cols).iter().enumerate().map(|(i, v)| v * (1.0 + (i % cols) as f32)).collect();
+    let w = randn(&mut rng, rows * cols);
+    let h = hessian_of(&x, tokens, cols);
+    let mut order: Vec<usize> = (0..cols).collect();
+    order.sort_by(|&a, &b| h.h[b * cols + b].total_cmp(&h.h[a * cols + a]));
+    let cfg = GptqConfig { bits: 4, group_size: Some(4), sym: false, damp_percent: 0.01, desc_act: true, static_groups: false, blocksize: 4 };
+    let r = gptq_quantize(&w, rows, cols, &h, &cfg).unwrap();
+    for (pos, &c) in order.iter().enumerate() {
+        assert_eq!(r.q.g_idx[c] as usize, pos / 4, "column {c}");
+    }
+    let cfg_s = GptqConfig { static_groups: true, ..cfg };
+    let rs = gptq_quantize(&w, rows, cols, &h, &cfg_s).unwrap();
+    assert_eq!(rs.q.g_idx, (0..cols as u32).map(|c| c / 4).collect::<Vec<_>>());
+    // Static groups: parameters are those of RTN on the original weights.
+    let rtn = quantize_rtn(&w, rows, cols, &Scheme { bits: 4, sym: false, granularity: Granularity::PerGroup(4) }).unwrap();
+    assert_eq!(rs.q.scales, rtn.scales);
+    assert_eq!(rs.q.zeros, rtn.zeros);
+}
+
+#[test]
+fn gptq_dead_columns_and_errors() {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let (rows, cols, tokens) = (3, 8, 32);
+    let mut x = correlated_x(&mut rng, tokens, cols);
+    for t in 0..tokens {
+        x[t * cols + 2] = 0.0;
+    }
+    let w = randn(&mut rng, rows * cols);
+    let h = hessian_of(&x, tokens, cols);
+    let r = gptq_quantize(&w, rows, cols, &h, &GptqConfig { group_size: None, ..GptqConfig::default() }).unwrap();
+    let d = r.q.dequantize();
+    for row in 0..rows {
+        assert_eq!(d[row * cols + 2], 0.0);
+    }
+    assert!(gptq_quantize(&w, rows, cols, &h, &GptqConfig { group_size: Some(3), ..GptqConfig::default() }).is_err());
+    assert!(gptq_quantize(&w, rows, cols, &h, &GptqConfig { bits: 7, ..GptqConfig::default() }).is_err());
+    assert!(gptq_quantize(&w[1..], rows, cols, &h, &GptqConfig::default()).is_err());
+}
+
+#[test]
+fn gptq_beats_rtn_on_correlated_inputs() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let (rows, cols, tokens) = (32, 64, 512);
+    let x = correlated_x(&mut rng, tokens, cols);
+    let w = randn(&mut rng, rows * cols);
+    let h = hessian_of(&x, tokens, cols);
+    for bits in [3u32, 4] {
+        let g = GptqConfig { bits, group_size: Some(32), sym: true, blocksize: 16, ..GptqConfig::default() };
+        let gq = gptq_quantize(&w, rows, cols, &h, &g).unwrap().q.dequantize();
+        let rq = quantize_rtn(&w, rows, cols, &Scheme { bits, sym: true, granularity: Granularity::PerGroup(32) }).unwrap().dequantize();
+        let (eg, er) = (out_err(&x, &w, &gq, tokens, rows, cols), out_err(&x, &w, &rq, tokens, rows, cols));
+        assert!(eg < 0.8 * er, "bits {bits}: gptq {eg} rtn {er}");
+    }
+}
+
+/// A layer whose inputs have a few channels 20-50x larger than the rest (the LLM outlier
+/// pattern), weights of unit scale.
+fn outlier_layer(seed: u64) -> (Vec<f32>, Vec<f32>, usize, usize, usize, Vec<usize>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (rows, cols, tokens) = (48, 64, 256);
+    let mut x = randn(&mut rng, tokens * cols);
+    let planted = vec![3usize, 17, 40];
+    for t in 0..tokens {
+        for (k, &c) in planted.iter().enumerate() {
+            x[t * cols + c] = x[t * cols + c] * 5.0 + 25.0 + 5.0 * k as f32;
+        }
+    }
+    let w: Vec<f32> = randn(&mut rng, rows * cols).iter().map(|v| v * 0.05).collect();
+    (x, w, rows, cols, tokens, planted)
+}
+
+#[test]
+fn methods_beat_rtn_on_planted_outliers() {
+    let (x, w, rows, cols, tokens, planted) = outlier_layer(1);
+    let scheme = Scheme { bits: 4, sym: false, granularity: Granularity::PerChannel };
+    let rtn = quantize_rtn(&w, rows, cols, &scheme).unwrap().dequantize();
+    let e_rtn = out_err(&x, &w, &rtn, tokens, rows, cols);
+
+    // GPTQ W4 per-channel.
+    let h = hessian_of(&x, tokens, cols);
+    let g = gptq_quantize(&w, rows, cols, &h, &GptqConfig { bits: 4, group_size: None, sym: false, blocksize: 16, ..GptqConfig::default() }).unwrap();
+    let e_gptq = out_err(&x, &w, &g.q.dequantize(), tokens, rows, cols);
+    assert!(e_gptq < e_rtn, "gptq {e_gptq} rtn {e_rtn}");
+
+    // AWQ W4 per-channel: scale search with the layer output as the block, then clipping.
+    let xm = act_mean_abs(&x, tokens, cols);
+    let org = matmul_abt(&x, &w, tokens, cols, rows);
+    let mut loss = |qs: &[Vec<f32>]| -> deco_quant::Result<f64> {
+        let o = matmul_abt(&x, &qs[0], tokens, cols, rows);
+        Ok(o.iter().zip(&org).map(|(a, b)| (a - b).powi(2)).sum::<f64>() / o.len() as f64)
+    };
+    let s = search_scale(&xm, &[(&w, rows)], cols, &scheme, 20, &mut loss).unwrap();
+    assert!(s.ratio > 0.0, "the search should protect the salient channels (ratio {})", s.ratio);
+    assert_eq!(s.losses.len(), 20);
+    // Scaled weight and inputs: fold s into W, divide x.
+    let mut ws = w.clone();
+    for r in 0..rows {
+        for c in 0..cols {
+            ws[r * cols + c] *= s.scales[c];
+        }
+    }
+    let xs: Vec<f32> = x.iter().enumerate().map(|(i, v)| v / s.scales[i % cols]).collect();
+    let clip = search_clip(&ws, rows, cols, &xs, tokens, &scheme, 20, 0.5).unwrap();
+    apply_clip(&mut ws, rows, cols, &clip);
+    let q = quantize_rtn(&ws, rows, cols, &scheme).unwrap().dequantize();
+    let awq: Vec<f32> = q.iter().enumerate().map(|(i, v)| v / s.scales[i % cols]).collect();
+    let e_awq = out_err(&x, &w, &awq, tokens, rows, cols);
+    let e_awq_noclip = out_err(&x, &w, &scaled_fake_quant(&w, rows, cols, &s.scales, &scheme).unwrap(), tokens, rows, cols);
+    assert!(e_awq_noclip < e_rtn, "awq scale only {e_awq_noclip} rtn {e_rtn}");
+    assert!(e_awq < e_rtn, "awq {e_awq} rtn {e_rtn}");
+
+    // W8A8: naive per-token int8 activations vs SmoothQuant vs LLM.int8().
+    let w8 = absmax_int8_rows(&w, rows, cols);
+    let xq = quant_act_per_token(&x, tokens, cols, None);
+    let naive = {
+        let a = matmul_abt(&x, &w, tokens, cols, rows);
+        let b = matmul_abt(&xq, &w8, tokens, cols, rows);
+        a.iter().zip(&b).map(|(p, q)| (p - q).powi(2)).sum::<f64>()
+    };
+    let sm = smooth_scales(&act_max_abs(&x, tokens, cols), &[(&w, rows)], cols, 0.5).unwrap();
+    let mut wsm = w.clone();
+    for r in 0..rows {
+        for c in 0..cols {
+            wsm[r * cols + c] *= sm[c];
+        }
+    }
+    let xsm: Vec<f32> = x.iter().enumerate().map(|(i, v)| v / sm[i % cols]).collect();
+    let smooth = {
+        let a = matmul_abt(&x, &w, tokens, cols, rows);
+        let b = matmul_abt(&quant_act_per_token(&xsm, tokens, cols, None), &absmax_int8_rows(&wsm, rows, cols), tokens, cols, rows);
+        a.iter().zip(&b).map(|(p, q)| (p - q).powi(2)).sum::<f64>()
+    };
+    assert!(smooth < naive, "smoothquant {smooth} naive w8a8 {naive}");
+    for mask in [outlier_columns(&x, tokens, cols, 6.0), outlier_columns_auto(&act_max_abs(&x, tokens, cols))] {
+        for &c in &planted {
+            assert!(mask[c], "planted channel {c} not detected");
+        }
+        assert!(mask.iter().filter(|&&m| m).count() <= 6);
+        let a = matmul_abt(&x, &w, tokens, cols, rows);
+        let b = matmul_abt(&quant_act_per_token(&x, tokens, cols, Some(&mask)), &w8, tokens, cols, rows);
+        let int8 = a.iter().zip(&b).map(|(p, q)| (p - q).powi(2)).sum::<f64>();
+        assert!(int8 < naive, "llm.int8 {int8} naive w8a8 {naive}");
+    }
+}
+
+#[test]
+fn awq_and_smoothquant_scales_finite_for_zero_channels() {
+    let x_mean = [0.0f32, 1.0, 4.0, 0.0];
+    for i in 0..20 {
+        let s = deco_quant::awq::scales_for_ratio(&x_mean, i as f64 / 20.0);
+        assert!(s.iter().all(|v| v.is_finite() && *v > 0.0));
+    }
+    // Hand value: r = 0.5: s = [1e-4 -> 1e-4, 1, 2, 1e-4]; norm sqrt(2 * 1e-4).
+    let s = deco_quant::awq::scales_for_ratio(&x_mean, 0.5);
+    let norm = (2.0f64 * 1e-4).sqrt();
+    assert!((s[2] as f64 - 2.0 / norm).abs() < 1e-3);
+    let w = [0.0f32, 1.0, 2.0, 0.0];
+    let sm = smooth_scales(&[0.0, 4.0, 9.0, 1.0], &[(&w, 1)], 4, 0.5).unwrap();
+    assert!(sm.iter().all(|v| v.is_finite() && *v > 0.0));
+    assert!((sm[1] - 2.0).abs() < 1e-6 && (sm[2] - 3.0 / 2f32.sqrt()).abs() < 1e-6);
+    assert!(smooth_scales(&[1.0], &[(&[1.0], 1)], 1, 1.5).is_err());
+}
+
+#[test]
+fn nf4_codebook_and_storage() {
+    let m = dynamic_map();
+    assert_eq!(m.len(), 256);
+    assert!(m.windows(2).all(|p| p[0] <= p[1]));
+    assert!(m.contains(&0.0) && m.contains(&1.0));
+    assert_eq!(NF4_CODE[7], 0.0);
+    // Exact codebook values times a power-of-two absmax survive the round trip up to the
+    // double-quantization error of the absmax.
+    let w: Vec<f32> = (0..128).map(|i| NF4_CODE[i % 16] * 2.0).collect();
+    let t = Nf4Tensor::quantize(&w, 64).unwrap();
+    assert_eq!(t.codes[..16], (0..16u8).collect::<Vec<_>>()[..]);
+    let bpw = Nf4Tensor::quantize(&vec![1.0f32; 64 * 256], 64).unwrap().bits_per_weight();
+    assert!((bpw - (4.0 + 8.0 / 64.0 + 64.0 / (64.0 * 256.0))).abs() < 1e-9, "{bpw}");
+    assert!(Nf4Tensor::quantize(&w, 0).is_err());
+}
