@@ -1,0 +1,621 @@
+//! The engine: one thread that owns the model, the paged KV cache and the scheduler, and runs
+//! continuous batching (Yu et al. 2022, Orca; vLLM's `LLMEngine`/`EngineCore` loop).
+//!
+//! Each iteration: take new requests and cancellations from the command channel, drop requests
+//! whose client has gone (their event receiver was dropped), ask the [`Scheduler`] for a step,
+//! run **one** [`Llama::forward`] over every scheduled chunk (prefill chunks and decodes
+//! together), then for each sequence whose chunk reached its end: sample the next token with
+//! the sequence's own [`Sampler`], apply stop tokens / stop strings / length, detokenize
+//! incrementally and send an [`EngineEvent`] to the request's channel. Finished and cancelled
+//! sequences free their blocks at once.
+//!
+//! `n > 1`: the prompt is prefilled once; when it completes, the sequence is forked
+//! ([`PagedKvCache::fork`], copy-on-write) into `n` sequences, each with its own sampler (seed
+//! `seed + i` when the request is seeded).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use deco_decoding::{
+    FinishReason, ProcessContext, Sampler, SamplingParams, StopStringMatcher, StoppingCriteria,
+};
+use deco_formats::tokenizer::Tokenizer;
+use deco_model::{Llama, LogitsWanted, SeqId, SeqInput};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::paged_cache::{CacheShape, PagedKvCache};
+use crate::scheduler::{SchedSeq, Scheduler, SchedulerConfig};
+use crate::{Error, Result};
+
+/// Engine settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Scheduler limits.
+    pub scheduler: SchedulerConfig,
+    /// Most requests admitted and not finished (running plus queued); beyond it
+    /// [`EngineHandle::submit`] fails with [`Error::Overloaded`] (HTTP 429).
+    pub max_pending_requests: usize,
+    /// Largest `n` accepted.
+    pub max_n: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 2048,
+            scheduler: SchedulerConfig::default(),
+            max_pending_requests: 512,
+            max_n: 16,
+        }
+    }
+}
+
+/// One generated token as reported to the client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenInfo {
+    /// Token id.
+    pub id: u32,
+    /// Raw model log-probability (natural log), when logprobs were requested.
+    pub logprob: Option<f32>,
+    /// The most likely alternatives (raw distribution), most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What the engine sends to a request's channel.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// New output of sequence `index` (0..n): text safe to show (stop strings held back) and
+    /// the tokens generated in this step (not counting a final EOS / stop token).
+    Delta {
+        /// Choice index.
+        index: usize,
+        /// Newly released text.
+        text: String,
+        /// Tokens of this step.
+        tokens: Vec<TokenInfo>,
+    },
+    /// Sequence `index` finished.
+    Finished {
+        /// Choice index.
+        index: usize,
+        /// Why.
+        reason: FinishReason,
+        /// Tokens it generated (including a final EOS / stop token).
+        completion_tokens: usize,
+    },
+    /// The request failed inside the engine; no further events follow.
+    Failed(String),
+}
+
+/// A generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Prompt token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Sampling parameters; `max_new_tokens` must be set (the server fills in a default).
+    pub params: SamplingParams,
+    /// Number of sequences to generate.
+    pub n: usize,
+}
+
+/// Counters and gauges exported at `/metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Sequences waiting for admission.
+    pub waiting: AtomicUsize,
+    /// Sequences running.
+    pub running: AtomicUsize,
+    /// Requests submitted and not finished.
+    pub pending_requests: AtomicUsize,
+    /// KV blocks in use.
+    pub kv_blocks_used: AtomicUsize,
+    /// KV blocks free (including evictable cached ones).
+    pub kv_blocks_free: AtomicUsize,
+    /// KV blocks total.
+    pub kv_blocks_total: AtomicUsize,
+    /// Tokens generated.
+    pub generation_tokens: AtomicU64,
+    /// Prompt tokens computed (excluding prefix-cache hits and counting recomputation).
+    pub prompt_tokens_computed: AtomicU64,
+    /// Prompt tokens served from the prefix cache.
+    pub prefix_cache_hit_tokens: AtomicU64,
+    /// Requests finished (all their sequences).
+    pub requests_finished: AtomicU64,
+    /// Requests cancelled (client gone or aborted).
+    pub requests_cancelled: AtomicU64,
+    /// Preemptions.
+    pub preemptions: AtomicU64,
+    /// Engine steps (forward passes).
+    pub steps: AtomicU64,
+    /// Errors of forward passes.
+    pub step_errors: AtomicU64,
+}
+
+impl Metrics {
+    /// Prometheus text exposition of the metrics (names prefixed `deco_`).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut put = |name: &str, kind: &str, help: &str, v: u64| {
+            out.push_str(&format!("# HELP deco_{name} {help}\n# TYPE deco_{name} {kind}\ndeco_{name} {v}\n"));
+        };
+        let g = |a: &AtomicUsize| a.load(Ordering::Relaxed) as u64;
+        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        put("num_requests_waiting", "gauge", "Sequences waiting for admission.", g(&self.waiting));
+        put("num_requests_running", "gauge", "Sequences running.", g(&self.running));
+        put("num_requests_pending", "gauge", "Requests accepted and not finished.", g(&self.pending_requests));
+        put("kv_blocks_used", "gauge", "KV cache blocks in use.", g(&self.kv_blocks_used));
+        put("kv_blocks_free", "gauge", "KV cache blocks free.", g(&self.kv_blocks_free));
+        put("kv_blocks_total", "gauge", "KV cache blocks in the pool.", g(&self.kv_blocks_total));
+        put("generation_tokens_total", "counter", "Tokens generated.", c(&self.generation_tokens));
+        put("prompt_tokens_total", "counter", "Prompt tokens computed.", c(&self.prompt_tokens_computed));
+        put("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.", c(&self.prefix_cache_hit_tokens));
+        put("requests_finished_total", "counter", "Requests finished.", c(&self.requests_finished));
+        put("requests_cancelled_total", "counter", "Requests cancelled.", c(&self.requests_cancelled));
+        put("preemptions_total", "counter", "Sequences preempted (recompute).", c(&self.preemptions));
+        put("engine_steps_total", "counter", "Engine steps (forward passes).", c(&self.steps));
+        put("engine_step_errors_total", "counter", "Failed forward passes.", c(&self.step_errors));
+        out
+    }
+}
+
+enum Command {
+    Add { id: u64, req: Box<GenerateRequest>, events: UnboundedSender<EngineEvent> },
+    Abort(u64),
+}
+
+/// Cheap, clonable access to a running engine.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    /// Live counters.
+    pub metrics: Arc<Metrics>,
+    config: EngineConfig,
+    max_context: usize,
+    stopping: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Add { id, .. } => write!(f, "Add({id})"),
+            Command::Abort(id) => write!(f, "Abort({id})"),
+        }
+    }
+}
+
+impl EngineHandle {
+    /// The model's usable context length.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    /// The engine settings.
+    pub fn config(&self) -> EngineConfig {
+        self.config
+    }
+
+    /// Checks a request and queues it; returns its id and the channel of its events.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] (empty prompt, `n` out of range, `max_new_tokens` missing, prompt
+    /// plus `max_new_tokens` beyond the context or the KV pool, invalid sampling parameters),
+    /// [`Error::Overloaded`] when `max_pending_requests` requests are in flight,
+    /// [`Error::EngineStopped`].
+    pub fn submit(&self, req: GenerateRequest) -> Result<(u64, UnboundedReceiver<EngineEvent>)> {
+        if self.stopping.load(Ordering::Relaxed) {
+            return Err(Error::EngineStopped);
+        }
+        req.params.validate()?;
+        if req.prompt.is_empty() {
+            return Err(Error::InvalidRequest("the prompt is empty".into()));
+        }
+        if req.n == 0 || req.n > self.config.max_n {
+            return Err(Error::InvalidRequest(format!("n must be in 1..={}, got {}", self.config.max_n, req.n)));
+        }
+        let max_new = req
+            .params
+            .max_new_tokens
+            .ok_or_else(|| Error::InvalidRequest("max_tokens must be given".into()))?;
+        let total = req.prompt.len() + max_new;
+        if total > self.max_context {
+            return Err(Error::InvalidRequest(format!(
+                "This model's maximum context length is {} tokens. However, you requested {total} tokens ({} in the prompt, {max_new} for the completion). Please reduce the prompt or max_tokens.",
+                self.max_context,
+                req.prompt.len()
+            )));
+        }
+        let capacity = self.config.num_blocks * self.config.block_size;
+        if total > capacity {
+            return Err(Error::InvalidRequest(format!(
+                "the request needs {total} tokens of KV cache but the server's pool holds {capacity}"
+            )));
+        }
+        let pending = self.metrics.pending_requests.fetch_add(1, Ordering::SeqCst);
+        if pending >= self.config.max_pending_requests {
+            self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::Overloaded(self.config.max_pending_requests));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (etx, erx) = unbounded_channel();
+        if self.tx.send(Command::Add { id, req: Box::new(req), events: etx }).is_err() {
+            self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::EngineStopped);
+        }
+        Ok((id, erx))
+    }
+
+    /// Cancels a request (its blocks are freed at the next step). Dropping the event receiver
+    /// has the same effect.
+    pub fn abort(&self, id: u64) {
+        let _ = self.tx.send(Command::Abort(id));
+    }
+
+    /// Refuses new requests from now on (graceful shutdown: running ones finish).
+    pub fn stop_accepting(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+}
+
+/// UTF-8-safe incremental detokenization (the `tokenizers` `DecodeStream` algorithm, as in
+/// [`deco_formats::tokenizer::StreamDecoder`], without borrowing the tokenizer).
+#[derive(Debug, Default)]
+struct Detok {
+    ids: Vec<u32>,
+    prefix: String,
+    prefix_index: usize,
+}
+
+impl Detok {
+    fn step(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        if self.prefix.is_empty() && !self.ids.is_empty() {
+            let p = tok.decode(&self.ids, true)?;
+            if !p.ends_with('\u{FFFD}') {
+                self.prefix = p;
+                self.prefix_index = self.ids.len();
+            }
+        }
+        self.ids.push(id);
+        let text = tok.decode(&self.ids, true)?;
+        if text.len() > self.prefix.len() && !text.ends_with('\u{FFFD}') && text.starts_with(self.prefix.as_str()) {
+            let new_text = text[self.prefix.len()..].to_owned();
+            let new_prefix_index = self.ids.len() - self.prefix_index;
+            self.ids.drain(..self.prefix_index);
+            self.prefix = tok.decode(&self.ids, true)?;
+            self.prefix_index = new_prefix_index;
+            Ok(new_text)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
+        let text = tok.decode(&self.ids, true)?;
+        let rest = if text.len() > self.prefix.len() { text.get(self.prefix.len()..).unwrap_or("").to_owned() } else { String::new() };
+        self.ids.clear();
+        self.prefix.clear();
+        self.prefix_index = 0;
+        Ok(rest)
+    }
+}
+
+struct SeqState {
+    req: u64,
+    index: usize,
+    sampler: Sampler,
+    matcher: StopStringMatcher,
+    detok: Detok,
+    generated: Vec<u32>,
+}
+
+struct ReqState {
+    events: UnboundedSender<EngineEvent>,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    stopping: StoppingCriteria,
+    n: usize,
+    forked: bool,
+    seqs: Vec<SeqId>,
+    want_logprobs: Option<usize>,
+}
+
+struct Engine {
+    model: Llama,
+    tokenizer: Arc<Tokenizer>,
+    cache: PagedKvCache,
+    sched: Scheduler,
+    rx: mpsc::Receiver<Command>,
+    metrics: Arc<Metrics>,
+    reqs: HashMap<u64, ReqState>,
+    seqs: HashMap<SeqId, SeqState>,
+    next_seq: SeqId,
+    eos: Vec<u32>,
+}
+
+/// Starts the engine thread for `model`; returns the handle and the thread's join handle (it
+/// exits when every handle is dropped and no work is left).
+///
+/// # Errors
+/// [`Error::InvalidRequest`] for an invalid cache geometry; [`Error::Io`] if the thread cannot
+/// be spawned.
+pub fn spawn_engine(model: Llama, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    let cfg = &model.config;
+    let shape = CacheShape {
+        n_layers: model.num_layers(),
+        kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+        block_size: config.block_size,
+        num_blocks: config.num_blocks,
+    };
+    let cache = PagedKvCache::new(shape, model.device())?;
+    let (tx, rx) = mpsc::channel();
+    let metrics = Arc::new(Metrics::default());
+    metrics.kv_blocks_total.store(config.num_blocks, Ordering::Relaxed);
+    metrics.kv_blocks_free.store(config.num_blocks, Ordering::Relaxed);
+    let handle = EngineHandle {
+        tx,
+        next_id: Arc::new(AtomicU64::new(1)),
+        metrics: metrics.clone(),
+        config,
+        max_context: model.max_context(),
+        stopping: Arc::new(AtomicBool::new(false)),
+    };
+    let eos = tokenizer.eos_token_ids().to_vec();
+    let mut engine = Engine {
+        model,
+        tokenizer,
+        cache,
+        sched: Scheduler::new(config.scheduler),
+        rx,
+        metrics,
+        reqs: HashMap::new(),
+        seqs: HashMap::new(),
+        next_seq: 1,
+        eos,
+    };
+    let join = std::thread::Builder::new().name("deco-engine".into()).spawn(move || engine.run())?;
+    Ok((handle, join))
+}
+
+impl Engine {
+    fn run(&mut self) {
+        loop {
+            // Block while idle; poll otherwise.
+            if self.sched.is_idle() {
+                match self.rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(cmd) => self.command(cmd),
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.command(cmd);
+            }
+            let gone: Vec<u64> = self.reqs.iter().filter(|(_, r)| r.events.is_closed()).map(|(&id, _)| id).collect();
+            for id in gone {
+                self.cancel(id);
+            }
+            if !self.sched.is_idle() {
+                self.step();
+            }
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.waiting.store(self.sched.num_waiting(), Ordering::Relaxed);
+        m.running.store(self.sched.num_running(), Ordering::Relaxed);
+        m.kv_blocks_used.store(self.cache.pool().num_used(), Ordering::Relaxed);
+        m.kv_blocks_free.store(self.cache.pool().num_free(), Ordering::Relaxed);
+        m.preemptions.store(self.sched.preemptions(), Ordering::Relaxed);
+        m.prefix_cache_hit_tokens.store(self.cache.prefix_hit_tokens(), Ordering::Relaxed);
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Abort(id) => self.cancel(id),
+            Command::Add { id, req, events } => {
+                let req = *req;
+                let params = req.params;
+                let make = || -> Result<(StoppingCriteria, Sampler, StopStringMatcher)> {
+                    Ok((
+                        StoppingCriteria::from_params(&params, &self.eos)?,
+                        Sampler::new(&params)?,
+                        StopStringMatcher::from_params(&params)?,
+                    ))
+                };
+                let (stopping, sampler, matcher) = match make() {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = events.send(EngineEvent::Failed(e.to_string()));
+                        self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
+                        return;
+                    }
+                };
+                let sid = self.next_seq;
+                self.next_seq += 1;
+                self.sched.add(sid, req.prompt.clone());
+                self.seqs.insert(sid, SeqState { req: id, index: 0, sampler, matcher, detok: Detok::default(), generated: Vec::new() });
+                self.reqs.insert(
+                    id,
+                    ReqState {
+                        events,
+                        prompt: req.prompt,
+                        want_logprobs: params.logprobs,
+                        params,
+                        stopping,
+                        n: req.n,
+                        forked: req.n == 1,
+                        seqs: vec![sid],
+                    },
+                );
+            }
+        }
+    }
+
+    fn drop_seq(&mut self, sid: SeqId) {
+        self.sched.remove(sid, &mut self.cache);
+        self.seqs.remove(&sid);
+    }
+
+    fn cancel(&mut self, id: u64) {
+        if let Some(r) = self.reqs.remove(&id) {
+            for sid in r.seqs {
+                self.drop_seq(sid);
+            }
+            self.metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+            self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn fail(&mut self, id: u64, msg: String) {
+        if let Some(r) = self.reqs.get(&id) {
+            let _ = r.events.send(EngineEvent::Failed(msg));
+        }
+        self.cancel(id);
+    }
+
+    fn step(&mut self) {
+        let plan = self.sched.schedule(&mut self.cache);
+        if plan.chunks.is_empty() {
+            return;
+        }
+        for c in &plan.chunks {
+            self.cache.record_tokens(c.seq, &c.tokens);
+            let prompt_len = self.seqs.get(&c.seq).and_then(|s| self.reqs.get(&s.req)).map_or(0, |r| r.prompt.len());
+            let prompt_part = prompt_len.saturating_sub(c.start).min(c.tokens.len());
+            self.metrics.prompt_tokens_computed.fetch_add(prompt_part as u64, Ordering::Relaxed);
+        }
+        let inputs: Vec<SeqInput<'_>> = plan.chunks.iter().map(|c| SeqInput { seq: c.seq, tokens: &c.tokens }).collect();
+        let out = self.model.forward(&inputs, &mut self.cache, LogitsWanted::Last).and_then(|o| o.logits_rows());
+        self.metrics.steps.fetch_add(1, Ordering::Relaxed);
+        let rows = match out {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.step_errors.fetch_add(1, Ordering::Relaxed);
+                let msg = format!("forward pass failed: {e}");
+                let reqs: Vec<u64> = plan.chunks.iter().filter_map(|c| self.seqs.get(&c.seq).map(|s| s.req)).collect();
+                for r in reqs {
+                    self.fail(r, msg.clone());
+                }
+                return;
+            }
+        };
+        for (c, row) in plan.chunks.iter().zip(rows) {
+            self.sched.computed(c.seq, c.tokens.len());
+            if !c.samples {
+                continue;
+            }
+            let Some(req_id) = self.seqs.get(&c.seq).map(|s| s.req) else { continue };
+            // n > 1: fork the prefilled prompt into n sequences.
+            let mut targets = vec![c.seq];
+            if let Some(r) = self.reqs.get_mut(&req_id)
+                && !r.forked
+            {
+                r.forked = true;
+                let (n, params) = (r.n, r.params.clone());
+                for i in 1..n {
+                    let child = self.next_seq;
+                    self.next_seq += 1;
+                    let mut p = params.clone();
+                    p.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+                    let made = (|| -> Result<(Sampler, StopStringMatcher)> {
+                        self.cache.fork(c.seq, child)?;
+                        Ok((Sampler::new(&p)?, StopStringMatcher::from_params(&p)?))
+                    })();
+                    match made {
+                        Ok((sampler, matcher)) => {
+                            let tokens = self.sched.get(c.seq).map(|s| s.tokens.clone()).unwrap_or_default();
+                            let num_computed = tokens.len();
+                            self.sched.add_running(SchedSeq { id: child, tokens, num_computed });
+                            self.seqs.insert(child, SeqState { req: req_id, index: i, sampler, matcher, detok: Detok::default(), generated: Vec::new() });
+                            if let Some(r) = self.reqs.get_mut(&req_id) {
+                                r.seqs.push(child);
+                            }
+                            targets.push(child);
+                        }
+                        Err(e) => {
+                            self.fail(req_id, format!("forking sequence: {e}"));
+                            break;
+                        }
+                    }
+                }
+            }
+            for sid in targets {
+                let mut row = row.clone();
+                if let Err(e) = self.sample_one(sid, &mut row) {
+                    self.fail(req_id, e.to_string());
+                    break;
+                }
+            }
+        }
+    }
+
+    fn sample_one(&mut self, sid: SeqId, row: &mut [f32]) -> Result<()> {
+        let Some(s) = self.seqs.get_mut(&sid) else { return Ok(()) };
+        let Some(r) = self.reqs.get(&s.req) else { return Ok(()) };
+        let out = s.sampler.sample(&ProcessContext::new(&r.prompt, &s.generated, &self.eos), row)?;
+        s.generated.push(out.token);
+        self.metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        let n_gen = s.generated.len();
+        let mut finish = r.stopping.check(out.token, n_gen);
+        let mut text = String::new();
+        let mut tokens = Vec::new();
+        if !matches!(finish, Some(FinishReason::EosToken | FinishReason::Stop)) {
+            let piece = s.detok.step(&self.tokenizer, out.token)?;
+            let mut step = s.matcher.push(&piece);
+            if step.stop.is_some() {
+                finish = Some(FinishReason::Stop);
+            } else if finish.is_some() || r.prompt.len() + n_gen >= self.model.max_context() {
+                finish.get_or_insert(FinishReason::Length);
+                let rest = s.detok.flush(&self.tokenizer)?;
+                let more = s.matcher.push(&rest);
+                step.text.push_str(&more.text);
+                if more.stop.is_some() {
+                    finish = Some(FinishReason::Stop);
+                } else {
+                    step.text.push_str(&s.matcher.flush());
+                }
+            }
+            text = step.text;
+            let info = match (r.want_logprobs, out.logprobs) {
+                (Some(_), Some(lp)) => TokenInfo {
+                    id: out.token,
+                    logprob: Some(lp.raw_logprob),
+                    top: lp.raw_top_logprobs.iter().map(|t| (t.token, t.logprob)).collect(),
+                },
+                _ => TokenInfo { id: out.token, logprob: None, top: Vec::new() },
+            };
+            tokens.push(info);
+        }
+        let index = s.index;
+        let req_id = s.req;
+        let events = r.events.clone();
+        let _ = events.send(EngineEvent::Delta { index, text, tokens });
+        match finish {
+            None => self.sched.push_token(sid, out.token),
+            Some(reason) => {
+                let _ = events.send(EngineEvent::Finished { index, reason, completion_tokens: n_gen });
+                self.drop_seq(sid);
+                if let Some(r) = self.reqs.get_mut(&req_id) {
+                    r.seqs.retain(|&x| x != sid);
+                    if r.seqs.is_empty() && r.forked {
+                        self.reqs.remove(&req_id);
+                        self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
+                        self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,26 @@
+//! Serving for deco: many users at once from one model on one machine.
+//!
+//! - [`block_pool`]: reference-counted fixed-size KV blocks, O(1) free queue, prefix cache
+//!   (Kwon et al. 2023, PagedAttention; vLLM v1 block pool).
+//! - [`paged_cache`]: [`PagedKvCache`], the block tables and storage, implementing
+//!   [`deco_model::KvCache`]; copy-on-write forks.
+//! - [`scheduler`]: continuous batching (Yu et al. 2022, Orca) with chunked prefill,
+//!   FCFS admission, preemption by recompute.
+//! - [`engine`]: the engine thread: one batched forward per step, per-request sampling, stop
+//!   handling, streaming events.
+//! - [`server`] and [`openai`]: the OpenAI-compatible HTTP API (axum).
+
+pub mod block_pool;
+pub mod engine;
+pub mod error;
+pub mod openai;
+pub mod paged_cache;
+pub mod scheduler;
+pub mod server;
+
+pub use block_pool::{BlockId, BlockPool, PrefixKey};
+pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Metrics, TokenInfo, spawn_engine};
+pub use error::{Error, Result};
+pub use paged_cache::{CacheShape, PagedKvCache};
+pub use scheduler::{Chunk, SchedSeq, Scheduler, SchedulerConfig, StepPlan};
+pub use server::{ServerState, router, serve, shutdown_signal};

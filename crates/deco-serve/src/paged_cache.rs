@@ -1,0 +1,427 @@
+//! A paged KV cache (PagedAttention, Kwon et al. 2023) implementing [`deco_model::KvCache`].
+//!
+//! # Layout
+//! Keys and values of every layer live in one host buffer each,
+//! `[num_blocks, block_size, kv_heads, head_dim]` f32 (vLLM's block layout without the
+//! x-packing). A sequence owns a *block table*: `table[i]` is the block holding its positions
+//! `i * block_size .. (i + 1) * block_size`. Position `p` of a sequence is at
+//! `(table[p / block_size], p % block_size)`. A paged-attention kernel can read keys and values
+//! directly from the buffers given [`PagedKvCache::block_table`], [`PagedKvCache::layer_kv`]
+//! and the sequence length.
+//!
+//! # Attention path today
+//! [`KvCache::append`] writes the new keys/values into the sequence's blocks and returns them
+//! *gathered* into contiguous `[len, kv_heads, head_dim]` tensors, which
+//! `deco_kernels::ops::causal_gqa_attention` consumes. The gather costs one copy of the
+//! sequence's cache per layer per step (the same order as `DenseKvCache`'s concatenation); a
+//! paged kernel removes it.
+//!
+//! # Sharing
+//! - **Prefix caching**: when token ids are recorded ([`PagedKvCache::record_tokens`]), every
+//!   block that becomes full is registered in the pool under its [`PrefixKey`] chain. A new
+//!   sequence calls [`PagedKvCache::attach_prefix`] to reuse the longest cached run of full
+//!   blocks of its prompt.
+//! - **Copy-on-write**: [`PagedKvCache::fork`] shares every block of a sequence (one more
+//!   reference each). Before a write into a block with more than one reference, the block is
+//!   copied (all layers) into a fresh block. A cached block with a single owner is written in
+//!   place after leaving the prefix cache.
+
+use std::collections::HashMap;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use deco_model::{KvCache, SeqId};
+
+use crate::block_pool::{BlockId, BlockPool, PrefixKey};
+use crate::{Error, Result};
+
+/// Geometry of a paged cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheShape {
+    /// Decoder layers.
+    pub n_layers: usize,
+    /// Key/value heads per layer.
+    pub kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Tokens per block (vLLM default 16).
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+}
+
+impl CacheShape {
+    /// Bytes of key and value storage per block over all layers: `2 * n_layers * block_size *
+    /// kv_heads * head_dim * 4`.
+    pub fn bytes_per_block(&self) -> usize {
+        2 * self.n_layers * self.block_size * self.kv_heads * self.head_dim * 4
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct PagedSeq {
+    table: Vec<BlockId>,
+    /// Committed tokens.
+    len: usize,
+    /// Token ids of positions `0..tokens.len()` when recorded (for prefix hashing).
+    tokens: Vec<u32>,
+    /// Chain hash of each registered leading full block.
+    hashes: Vec<u64>,
+}
+
+/// The paged KV cache. See the [module docs](self).
+#[derive(Debug)]
+pub struct PagedKvCache {
+    shape: CacheShape,
+    pool: BlockPool,
+    /// Per layer, `[num_blocks, block_size, kv_heads, head_dim]`.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    seqs: HashMap<SeqId, PagedSeq>,
+    device: Device,
+    prefix_hit_tokens: u64,
+}
+
+fn model_err(e: Error) -> deco_model::Error {
+    deco_model::Error::InvalidInput(e.to_string())
+}
+
+impl PagedKvCache {
+    /// An empty cache; storage for all blocks is allocated up front (zeroed pages are committed
+    /// by the OS on first write).
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for a zero dimension or an oversized pool.
+    pub fn new(shape: CacheShape, device: &Device) -> Result<Self> {
+        if shape.block_size == 0 || shape.kv_heads == 0 || shape.head_dim == 0 || shape.n_layers == 0 {
+            return Err(Error::InvalidRequest(format!("invalid cache shape {shape:?}")));
+        }
+        let per_layer = shape.num_blocks * shape.block_size * shape.kv_heads * shape.head_dim;
+        Ok(Self {
+            shape,
+            pool: BlockPool::new(shape.num_blocks)?,
+            k: (0..shape.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            v: (0..shape.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            seqs: HashMap::new(),
+            device: device.clone(),
+            prefix_hit_tokens: 0,
+        })
+    }
+
+    /// The geometry.
+    pub fn shape(&self) -> CacheShape {
+        self.shape
+    }
+
+    /// The block pool (counts, prefix-cache size).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Tokens served from the prefix cache so far.
+    pub fn prefix_hit_tokens(&self) -> u64 {
+        self.prefix_hit_tokens
+    }
+
+    /// Sequences holding blocks.
+    pub fn num_seqs(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// The block table of `seq` (empty for an unknown sequence).
+    pub fn block_table(&self, seq: SeqId) -> &[BlockId] {
+        self.seqs.get(&seq).map_or(&[], |s| s.table.as_slice())
+    }
+
+    /// Key and value storage of `layer`, each `[num_blocks, block_size, kv_heads, head_dim]`
+    /// row-major (for a paged-attention kernel).
+    pub fn layer_kv(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        Some((self.k.get(layer)?.as_slice(), self.v.get(layer)?.as_slice()))
+    }
+
+    fn token_floats(&self) -> usize {
+        self.shape.kv_heads * self.shape.head_dim
+    }
+
+    fn block_floats(&self) -> usize {
+        self.shape.block_size * self.token_floats()
+    }
+
+    /// Blocks that [`reserve`](Self::reserve) would take from the pool to let `seq` hold
+    /// `total_len` tokens: missing blocks plus one copy-on-write of the shared block where the
+    /// next write lands.
+    pub fn blocks_needed(&self, seq: SeqId, total_len: usize) -> usize {
+        let bs = self.shape.block_size;
+        let want = total_len.div_ceil(bs);
+        match self.seqs.get(&seq) {
+            None => want,
+            Some(s) => {
+                let missing = want.saturating_sub(s.table.len());
+                let cow = usize::from(
+                    total_len > s.len && !s.len.is_multiple_of(bs) && self.pool.ref_count(s.table[s.len / bs]) > 1,
+                );
+                missing + cow
+            }
+        }
+    }
+
+    /// Makes `seq` (created if unknown) able to hold `total_len` tokens: allocates missing blocks
+    /// and performs the copy-on-write of a shared partially filled last block. All or nothing.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBlocks`] when the pool cannot supply [`blocks_needed`](Self::blocks_needed)
+    /// blocks; nothing is changed then.
+    pub fn reserve(&mut self, seq: SeqId, total_len: usize) -> Result<()> {
+        let needed = self.blocks_needed(seq, total_len);
+        if needed > self.pool.num_free() {
+            return Err(Error::OutOfBlocks { needed, free: self.pool.num_free() });
+        }
+        let bs = self.shape.block_size;
+        let s = self.seqs.entry(seq).or_default();
+        let mut table = std::mem::take(&mut s.table);
+        let len = s.len;
+        let result = (|| {
+            if total_len > len && !len.is_multiple_of(bs) {
+                self.make_writable(&mut table, len / bs)?;
+            }
+            while table.len() < total_len.div_ceil(bs) {
+                table.push(self.pool.allocate()?);
+            }
+            Ok(())
+        })();
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.table = table;
+        }
+        result
+    }
+
+    /// Ensures `table[idx]` may be written: copy-on-write when shared, leave the prefix cache
+    /// when cached.
+    fn make_writable(&mut self, table: &mut [BlockId], idx: usize) -> Result<()> {
+        let b = table[idx];
+        if self.pool.ref_count(b) > 1 {
+            let nb = self.pool.allocate()?;
+            let n = self.block_floats();
+            let (src, dst) = (b as usize * n, nb as usize * n);
+            for l in 0..self.shape.n_layers {
+                self.k[l].copy_within(src..src + n, dst);
+                self.v[l].copy_within(src..src + n, dst);
+            }
+            self.pool.free(b)?;
+            table[idx] = nb;
+        } else if self.pool.is_cached(b) {
+            self.pool.unregister(b);
+        }
+        Ok(())
+    }
+
+    /// Records the token ids of the positions about to be computed for `seq` (call before the
+    /// forward that appends them). Enables prefix-cache registration of the blocks they fill.
+    /// Ids beyond the committed length are replaced.
+    pub fn record_tokens(&mut self, seq: SeqId, tokens: &[u32]) {
+        let s = self.seqs.entry(seq).or_default();
+        if s.tokens.len() == s.len {
+            s.tokens.extend_from_slice(tokens);
+        } else if s.tokens.len() > s.len {
+            s.tokens.truncate(s.len);
+            s.tokens.extend_from_slice(tokens);
+        }
+        // Fewer ids than committed tokens: the sequence was not recorded from the start; leave it.
+    }
+
+    /// Reuses the longest run of cached full blocks of `prompt` for the new sequence `seq`,
+    /// leaving at least one prompt token to compute (its logits are needed). Returns the number
+    /// of cached tokens (a multiple of the block size), now committed for `seq`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] if `seq` already holds tokens.
+    pub fn attach_prefix(&mut self, seq: SeqId, prompt: &[u32]) -> Result<usize> {
+        if self.seq_len(seq) > 0 {
+            return Err(Error::InvalidRequest(format!("sequence {seq} already has cached tokens")));
+        }
+        let bs = self.shape.block_size;
+        let max_blocks = prompt.len().saturating_sub(1) / bs;
+        let mut parent = 0u64;
+        let mut table = Vec::new();
+        let mut hashes = Vec::new();
+        for i in 0..max_blocks {
+            let key = PrefixKey::new(parent, &prompt[i * bs..(i + 1) * bs]);
+            let Some(b) = self.pool.lookup(&key) else { break };
+            self.pool.incref(b)?;
+            parent = key.chain_hash();
+            table.push(b);
+            hashes.push(parent);
+        }
+        let len = table.len() * bs;
+        self.prefix_hit_tokens += len as u64;
+        self.seqs.insert(seq, PagedSeq { table, len, tokens: prompt[..len].to_vec(), hashes });
+        Ok(len)
+    }
+
+    fn register_full_blocks(&mut self, seq: SeqId) {
+        let bs = self.shape.block_size;
+        let Some(s) = self.seqs.get_mut(&seq) else { return };
+        let full = s.len.min(s.tokens.len()) / bs;
+        while s.hashes.len() < full {
+            let i = s.hashes.len();
+            let parent = if i == 0 { 0 } else { s.hashes[i - 1] };
+            let key = PrefixKey::new(parent, &s.tokens[i * bs..(i + 1) * bs]);
+            s.hashes.push(key.chain_hash());
+            self.pool.register(s.table[i], key);
+        }
+    }
+
+    /// Shares all of `from`'s blocks with a new sequence `to` (n > 1 sampling, beam search);
+    /// the first write into a shared block copies it. O(blocks of `from`).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`] for an unknown `from`; [`Error::InvalidRequest`] if `to`
+    /// exists.
+    pub fn fork(&mut self, from: SeqId, to: SeqId) -> Result<()> {
+        if self.seqs.contains_key(&to) {
+            return Err(Error::InvalidRequest(format!("sequence {to} already exists")));
+        }
+        let src = self.seqs.get(&from).ok_or(Error::UnknownSequence(from))?.clone();
+        for &b in &src.table {
+            self.pool.incref(b)?;
+        }
+        self.seqs.insert(to, src);
+        Ok(())
+    }
+
+    /// Frees every block of `seq` (tail first, so its last blocks are evicted first).
+    ///
+    /// # Errors
+    /// A pool invariant violation (double free), which would be a bug.
+    pub fn free_seq(&mut self, seq: SeqId) -> Result<()> {
+        if let Some(s) = self.seqs.remove(&seq) {
+            for &b in s.table.iter().rev() {
+                self.pool.free(b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reference count each block should have, from the block tables (for tests).
+    pub fn expected_ref_counts(&self) -> HashMap<BlockId, u32> {
+        let mut m = HashMap::new();
+        for s in self.seqs.values() {
+            for &b in &s.table {
+                *m.entry(b).or_insert(0) += 1;
+            }
+        }
+        m
+    }
+
+    /// Checks that the pool's reference counts equal the block tables' references and the pool's
+    /// own invariants hold.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] naming the first mismatch.
+    pub fn check_consistency(&self) -> Result<()> {
+        self.pool.check_invariants()?;
+        let expected = self.expected_ref_counts();
+        for b in 0..self.shape.num_blocks as BlockId {
+            let e = expected.get(&b).copied().unwrap_or(0);
+            if self.pool.ref_count(b) != e {
+                return Err(Error::InvalidRequest(format!(
+                    "block {b}: ref count {} but {e} table references",
+                    self.pool.ref_count(b)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn write_and_gather(&mut self, layer: usize, seq: SeqId, k: &[f32], v: &[f32], n: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let bs = self.shape.block_size;
+        let tf = self.token_floats();
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let (len, table) = (s.len, &s.table);
+        let total = len + n;
+        let (kl, vl) = (&mut self.k[layer], &mut self.v[layer]);
+        for t in 0..n {
+            let p = len + t;
+            let off = (table[p / bs] as usize * bs + p % bs) * tf;
+            kl[off..off + tf].copy_from_slice(&k[t * tf..(t + 1) * tf]);
+            vl[off..off + tf].copy_from_slice(&v[t * tf..(t + 1) * tf]);
+        }
+        let mut ko = Vec::with_capacity(total * tf);
+        let mut vo = Vec::with_capacity(total * tf);
+        for (i, &b) in table.iter().enumerate().take(total.div_ceil(bs)) {
+            let rows = bs.min(total - i * bs);
+            let off = b as usize * bs * tf;
+            ko.extend_from_slice(&kl[off..off + rows * tf]);
+            vo.extend_from_slice(&vl[off..off + rows * tf]);
+        }
+        Ok((ko, vo))
+    }
+}
+
+fn host(t: Tensor<3>) -> deco_model::Result<Vec<f32>> {
+    t.try_into_vec_as::<f32>().map_err(|e| deco_model::Error::TensorRead(format!("{e:?}")))
+}
+
+impl KvCache for PagedKvCache {
+    fn seq_len(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.len)
+    }
+
+    fn append(&mut self, layer: usize, seq: SeqId, k: Tensor<3>, v: Tensor<3>) -> deco_model::Result<(Tensor<3>, Tensor<3>)> {
+        let CacheShape { n_layers, kv_heads, head_dim, .. } = self.shape;
+        if layer >= n_layers {
+            return Err(deco_model::Error::InvalidInput(format!("layer {layer} out of range ({n_layers} layers)")));
+        }
+        let [n, kh, hd] = k.dims();
+        if kh != kv_heads || hd != head_dim || v.dims() != [n, kh, hd] {
+            return Err(deco_model::Error::InvalidInput(format!(
+                "paged cache expects [tokens, {kv_heads}, {head_dim}] keys/values, got {:?} / {:?}",
+                k.dims(),
+                v.dims()
+            )));
+        }
+        if layer == 0 {
+            let len = self.seq_len(seq);
+            self.reserve(seq, len + n).map_err(model_err)?;
+        }
+        let (kh_data, vh_data) = (host(k)?, host(v)?);
+        let (ko, vo) = self.write_and_gather(layer, seq, &kh_data, &vh_data, n).map_err(model_err)?;
+        let total = ko.len() / self.token_floats();
+        let shape = [total, kv_heads, head_dim];
+        Ok((
+            Tensor::from_data(TensorData::new(ko, shape), &self.device),
+            Tensor::from_data(TensorData::new(vo, shape), &self.device),
+        ))
+    }
+
+    fn advance(&mut self, seq: SeqId, n: usize) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.len += n;
+        }
+        self.register_full_blocks(seq);
+    }
+
+    fn truncate(&mut self, seq: SeqId, len: usize) -> deco_model::Result<()> {
+        let bs = self.shape.block_size;
+        let s = self.seqs.get_mut(&seq).ok_or_else(|| model_err(Error::UnknownSequence(seq)))?;
+        if len > s.len {
+            return Err(deco_model::Error::InvalidInput(format!(
+                "cannot truncate sequence {seq} of {} tokens to {len}",
+                s.len
+            )));
+        }
+        s.len = len;
+        s.tokens.truncate(len);
+        s.hashes.truncate(len / bs);
+        let keep = len.div_ceil(bs);
+        let dropped: Vec<BlockId> = s.table.drain(keep..).collect();
+        for b in dropped.into_iter().rev() {
+            self.pool.free(b).map_err(model_err)?;
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, seq: SeqId) {
+        // A double free here is a bookkeeping bug; the pool refused it, so nothing leaked.
+        let _ = self.free_seq(seq);
+    }
+}

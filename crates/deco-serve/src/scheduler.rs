@@ -1,0 +1,219 @@
+//! Continuous-batching scheduler (Yu et al. 2022, "Orca: A Distributed Serving System for
+//! Transformer-Based Generative Models", OSDI: iteration-level scheduling) with vLLM's policies
+//! (Kwon et al. 2023; vLLM v1 `Scheduler`): chunked prefill under a token budget, FCFS
+//! admission, preemption by recompute when blocks run out.
+//!
+//! The scheduler knows sequences only as token lists with a count of tokens already in the KV
+//! cache (`num_computed`). Each [`Scheduler::schedule`] call builds one step:
+//! 1. **Running** sequences, oldest first, each get the tokens they still need (1 for a decode,
+//!    the rest of the prompt for a prefill), capped by the remaining
+//!    `max_num_batched_tokens` budget (chunked prefill). If the cache cannot supply their blocks,
+//!    the *newest* running sequence is preempted (its blocks freed, its computed count reset to 0,
+//!    moved to the front of the waiting queue) until it can; a sequence that must preempt
+//!    itself waits for the next step.
+//! 2. **Waiting** sequences are admitted in arrival order (FCFS; the head blocks the queue)
+//!    while budget, `max_num_seqs` and blocks allow, reusing cached prefix blocks first. No
+//!    admission happens in a step that preempted.
+//!
+//! Cost per step: O(running + admitted) plus the cache's block operations.
+
+use std::collections::VecDeque;
+
+use deco_model::SeqId;
+
+use crate::paged_cache::PagedKvCache;
+
+/// Scheduler limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most sequences in one step (vLLM `max_num_seqs`).
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks plus decodes) in one step (vLLM `max_num_batched_tokens`).
+    pub max_num_batched_tokens: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self { max_num_seqs: 64, max_num_batched_tokens: 512 }
+    }
+}
+
+/// A sequence as the scheduler sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedSeq {
+    /// Its id (also its id in the KV cache).
+    pub id: SeqId,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<u32>,
+    /// Tokens whose keys and values are in the cache.
+    pub num_computed: usize,
+}
+
+/// One sequence's share of a step: compute `tokens[start..start + len]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    /// The sequence.
+    pub seq: SeqId,
+    /// First position computed (equals the cached length before the step).
+    pub start: usize,
+    /// The token ids to compute.
+    pub tokens: Vec<u32>,
+    /// True when the chunk reaches the end of the sequence's tokens: its last logits row samples
+    /// the next token. False for a non-final prefill chunk.
+    pub samples: bool,
+}
+
+/// What one step does.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    /// Chunks in batch order (running sequences first, then newly admitted ones).
+    pub chunks: Vec<Chunk>,
+    /// Sequences preempted in this step (their blocks were freed; they will recompute).
+    pub preempted: Vec<SeqId>,
+}
+
+/// Waiting and running queues with the step policy of the [module docs](self).
+#[derive(Debug, Default)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    waiting: VecDeque<SchedSeq>,
+    running: Vec<SchedSeq>,
+    preemptions: u64,
+}
+
+impl Scheduler {
+    /// An empty scheduler.
+    pub fn new(config: SchedulerConfig) -> Self {
+        Self { config, ..Self::default() }
+    }
+
+    /// The limits.
+    pub fn config(&self) -> SchedulerConfig {
+        self.config
+    }
+
+    /// Queues a new sequence (FCFS: behind every waiting one).
+    pub fn add(&mut self, id: SeqId, tokens: Vec<u32>) {
+        self.waiting.push_back(SchedSeq { id, tokens, num_computed: 0 });
+    }
+
+    /// Adds a sequence that is already cached up to `num_computed` (a fork) to the running set.
+    pub fn add_running(&mut self, seq: SchedSeq) {
+        self.running.push(seq);
+    }
+
+    /// Sequences waiting for admission.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences admitted (holding cache blocks).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Preemptions so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// True when nothing waits or runs.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// The sequence `id`, waiting or running.
+    pub fn get(&self, id: SeqId) -> Option<&SchedSeq> {
+        self.running.iter().chain(self.waiting.iter()).find(|s| s.id == id)
+    }
+
+    fn get_mut(&mut self, id: SeqId) -> Option<&mut SchedSeq> {
+        self.running.iter_mut().chain(self.waiting.iter_mut()).find(|s| s.id == id)
+    }
+
+    /// Records that a step computed `n` more tokens of `id`.
+    pub fn computed(&mut self, id: SeqId, n: usize) {
+        if let Some(s) = self.get_mut(id) {
+            s.num_computed += n;
+        }
+    }
+
+    /// Appends a generated token to `id`.
+    pub fn push_token(&mut self, id: SeqId, token: u32) {
+        if let Some(s) = self.get_mut(id) {
+            s.tokens.push(token);
+        }
+    }
+
+    /// Removes `id` (finished or aborted) from either queue and frees its blocks.
+    pub fn remove(&mut self, id: SeqId, cache: &mut PagedKvCache) {
+        self.running.retain(|s| s.id != id);
+        self.waiting.retain(|s| s.id != id);
+        let _ = cache.free_seq(id);
+    }
+
+    fn preempt(&mut self, mut seq: SchedSeq, cache: &mut PagedKvCache, plan: &mut StepPlan) {
+        let _ = cache.free_seq(seq.id);
+        seq.num_computed = 0;
+        plan.preempted.push(seq.id);
+        self.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+
+    /// Plans one step; reserves the cache blocks of every scheduled chunk. See the
+    /// [module docs](self).
+    pub fn schedule(&mut self, cache: &mut PagedKvCache) -> StepPlan {
+        let mut plan = StepPlan::default();
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let (id, done, total) = {
+                let s = &self.running[i];
+                (s.id, s.num_computed, s.tokens.len())
+            };
+            let n = (total - done).min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let mut self_preempted = false;
+            while cache.reserve(id, done + n).is_err() {
+                // Preempt the newest running sequence (possibly this one).
+                let Some(victim) = self.running.pop() else { break };
+                let is_self = victim.id == id;
+                self.preempt(victim, cache, &mut plan);
+                if is_self {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted {
+                break;
+            }
+            let s = &self.running[i];
+            plan.chunks.push(Chunk { seq: id, start: done, tokens: s.tokens[done..done + n].to_vec(), samples: done + n == total });
+            budget -= n;
+            i += 1;
+        }
+        if !plan.preempted.is_empty() {
+            return plan;
+        }
+        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(front) = self.waiting.front() else { break };
+            let id = front.id;
+            let tokens = front.tokens.clone();
+            let cached = cache.attach_prefix(id, &tokens).unwrap_or(0);
+            let n = (tokens.len() - cached).min(budget);
+            if cache.reserve(id, cached + n).is_err() {
+                let _ = cache.free_seq(id);
+                break;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            seq.num_computed = cached;
+            plan.chunks.push(Chunk { seq: id, start: cached, tokens: tokens[cached..cached + n].to_vec(), samples: cached + n == tokens.len() });
+            budget -= n;
+            self.running.push(seq);
+        }
+        plan
+    }
+}

@@ -1,0 +1,532 @@
+//! The HTTP server (axum on tokio): OpenAI-compatible endpoints, SSE streaming, health and
+//! Prometheus metrics, graceful shutdown.
+//!
+//! | route | method | what |
+//! |---|---|---|
+//! | `/v1/completions` | POST | text completion (`prompt` string, list of strings, ids) |
+//! | `/v1/chat/completions` | POST | chat completion through the model's chat template |
+//! | `/v1/models` | GET | the served model |
+//! | `/health` | GET | 200 while serving |
+//! | `/metrics` | GET | Prometheus text ([`crate::engine::Metrics::render`]) |
+//!
+//! Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400
+//! `invalid_request_error` for malformed JSON, unknown model, out-of-range parameters or a
+//! prompt beyond the context; 429 when too many requests are pending; 503 while shutting down.
+//! A client that disconnects drops its event receiver, and the engine frees its blocks at the
+//! next step.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use deco_decoding::{FinishReason, SamplingParams};
+use deco_formats::chat_template::{ChatMessage, ChatTemplate};
+use deco_formats::tokenizer::Tokenizer;
+use futures_util::stream::{self, BoxStream, StreamExt};
+use serde_json::{Value, json};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::engine::{EngineEvent, EngineHandle, GenerateRequest, TokenInfo};
+use crate::openai::{ChatRequest, CompletionRequest, Content, Prompt, error_body, sampling_params};
+use crate::{Error, Result};
+
+/// Shared state of the handlers.
+#[derive(Debug)]
+pub struct ServerState {
+    /// The engine.
+    pub engine: EngineHandle,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// The model's chat template, if it has one.
+    pub template: Option<ChatTemplate>,
+    /// Name under which the model is served (`model` field).
+    pub model_name: String,
+}
+
+/// An error response in OpenAI's format.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>) -> Self {
+        Self { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: None, code: None }
+    }
+
+    fn param(mut self, p: &'static str) -> Self {
+        self.param = Some(p);
+        self
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        let message = e.to_string();
+        match e {
+            Error::InvalidRequest(_) | Error::Decoding(_) => Self::bad(message),
+            Error::Overloaded(_) => Self { status: StatusCode::TOO_MANY_REQUESTS, message, kind: "rate_limit_error", param: None, code: Some("server_overloaded") },
+            Error::EngineStopped => Self { status: StatusCode::SERVICE_UNAVAILABLE, message, kind: "server_error", param: None, code: None },
+            _ => Self { status: StatusCode::INTERNAL_SERVER_ERROR, message, kind: "server_error", param: None, code: None },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(error_body(&self.message, self.kind, self.param, self.code))).into_response()
+    }
+}
+
+type ApiResult<T> = std::result::Result<T, ApiError>;
+
+/// The router with every route.
+pub fn router(state: Arc<ServerState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// Serves on `listener` until `shutdown` resolves, then stops accepting requests, lets
+/// in-flight ones finish (drain) and returns.
+///
+/// # Errors
+/// [`Error::Io`] from the socket.
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<ServerState>, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    let engine = state.engine.clone();
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            engine.stop_accepting();
+        })
+        .await?;
+    Ok(())
+}
+
+/// Resolves on ctrl-c (SIGINT) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn metrics(State(st): State<Arc<ServerState>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.engine.metrics.render()).into_response()
+}
+
+async fn models(State(st): State<Arc<ServerState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "deco",
+            "max_model_len": st.engine.max_context(),
+        }]
+    }))
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn parse_body(body: &Bytes) -> ApiResult<Value> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad("the request body must be a JSON object"));
+    }
+    Ok(v)
+}
+
+fn check_model(st: &ServerState, model: Option<&str>) -> ApiResult<()> {
+    match model {
+        Some(m) if m != st.model_name => Err(ApiError {
+            code: Some("model_not_found"),
+            ..ApiError::bad(format!("The model `{m}` does not exist; this server serves `{}`.", st.model_name)).param("model")
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Per-choice accumulation of a non-streamed response.
+#[derive(Debug, Default, Clone)]
+struct ChoiceAcc {
+    text: String,
+    tokens: Vec<TokenInfo>,
+    finish: Option<FinishReason>,
+    completion_tokens: usize,
+}
+
+/// Submissions of one HTTP request: one per prompt.
+struct Submitted {
+    rxs: Vec<UnboundedReceiver<EngineEvent>>,
+    prompt_tokens: usize,
+    n: usize,
+}
+
+fn submit_all(st: &ServerState, prompts: Vec<Vec<u32>>, params: &SamplingParams, n: usize, default_max: impl Fn(usize) -> usize) -> ApiResult<Submitted> {
+    let mut rxs = Vec::with_capacity(prompts.len());
+    let mut prompt_tokens = 0;
+    for p in prompts {
+        let mut params = params.clone();
+        if params.max_new_tokens.is_none() {
+            params.max_new_tokens = Some(default_max(p.len()).max(1));
+        }
+        prompt_tokens += p.len();
+        // Receivers already obtained are dropped on error, which cancels those requests.
+        let (_, rx) = st.engine.submit(GenerateRequest { prompt: p, params, n })?;
+        rxs.push(rx);
+    }
+    Ok(Submitted { rxs, prompt_tokens, n })
+}
+
+fn token_text(tok: &Tokenizer, id: u32) -> String {
+    tok.decode(&[id], false).unwrap_or_default()
+}
+
+fn token_bytes(tok: &Tokenizer, id: u32) -> Vec<u8> {
+    tok.token_to_piece(id).unwrap_or_default()
+}
+
+fn completion_logprobs(tok: &Tokenizer, tokens: &[TokenInfo]) -> Value {
+    let mut offset = 0;
+    let (mut strs, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
+    for t in tokens {
+        let s = token_text(tok, t.id);
+        offs.push(offset);
+        offset += s.len();
+        strs.push(s);
+        lps.push(t.logprob);
+        let top: serde_json::Map<String, Value> = t.top.iter().map(|&(id, lp)| (token_text(tok, id), json!(lp))).collect();
+        tops.push(Value::Object(top));
+    }
+    json!({"tokens": strs, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs})
+}
+
+fn chat_logprobs(tok: &Tokenizer, tokens: &[TokenInfo]) -> Value {
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let top: Vec<Value> = t
+                .top
+                .iter()
+                .map(|&(id, lp)| json!({"token": token_text(tok, id), "logprob": lp, "bytes": token_bytes(tok, id)}))
+                .collect();
+            json!({"token": token_text(tok, t.id), "logprob": t.logprob, "bytes": token_bytes(tok, t.id), "top_logprobs": top})
+        })
+        .collect();
+    json!({"content": content})
+}
+
+async fn collect(sub: Submitted) -> ApiResult<(Vec<ChoiceAcc>, usize)> {
+    let n = sub.n;
+    let mut accs = vec![ChoiceAcc::default(); n * sub.rxs.len()];
+    for (pi, mut rx) in sub.rxs.into_iter().enumerate() {
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                EngineEvent::Delta { index, text, tokens } => {
+                    let a = &mut accs[pi * n + index];
+                    a.text.push_str(&text);
+                    a.tokens.extend(tokens);
+                }
+                EngineEvent::Finished { index, reason, completion_tokens } => {
+                    let a = &mut accs[pi * n + index];
+                    a.finish = Some(reason);
+                    a.completion_tokens = completion_tokens;
+                }
+                EngineEvent::Failed(msg) => {
+                    return Err(ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: msg, kind: "server_error", param: None, code: None });
+                }
+            }
+        }
+    }
+    if accs.iter().any(|a| a.finish.is_none()) {
+        return Err(Error::EngineStopped.into());
+    }
+    let completion = accs.iter().map(|a| a.completion_tokens).sum();
+    Ok((accs, completion))
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Builds the SSE stream of a request: chunks per delta and finish, a usage chunk when asked,
+/// then `[DONE]`. Dropping the stream (client gone) drops the receivers and so cancels.
+fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, include_usage: bool, want_logprobs: bool) -> Sse<BoxStream<'static, std::result::Result<Event, std::convert::Infallible>>> {
+    let n = sub.n;
+    let created = now();
+    let model = st.model_name.clone();
+    let prompt_tokens = sub.prompt_tokens;
+    let total_choices = n * sub.rxs.len();
+    let per_prompt: Vec<_> = sub
+        .rxs
+        .into_iter()
+        .enumerate()
+        .map(|(pi, rx)| stream::unfold(rx, move |mut rx| async move { rx.recv().await.map(|e| ((pi, e), rx)) }).boxed())
+        .collect();
+    let merged = stream::select_all(per_prompt);
+    let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+    let chunk = {
+        let (id, model) = (id.clone(), model.clone());
+        move |choices: Value, usage: Option<Value>| -> Event {
+            let mut body = json!({"id": id, "object": object, "created": created, "model": model, "choices": choices});
+            if let Some(u) = usage {
+                body["usage"] = u;
+            }
+            Event::default().data(body.to_string())
+        }
+    };
+    let mut first: Vec<Event> = Vec::new();
+    if kind == Kind::Chat {
+        for i in 0..total_choices {
+            first.push(chunk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]), None));
+        }
+    }
+    struct S<M, C> {
+        merged: M,
+        chunk: C,
+        queue: std::collections::VecDeque<Event>,
+        completion: HashMap<usize, usize>,
+        done: bool,
+    }
+    let state = S { merged, chunk, queue: first.into(), completion: HashMap::new(), done: false };
+    let tok = st.tokenizer.clone();
+    let body = stream::unfold(state, move |mut s| {
+        let tok = tok.clone();
+        async move {
+            loop {
+                if let Some(e) = s.queue.pop_front() {
+                    return Some((Ok(e), s));
+                }
+                if s.done {
+                    return None;
+                }
+                match s.merged.next().await {
+                    Some((pi, EngineEvent::Delta { index, text, tokens })) => {
+                        if text.is_empty() && !want_logprobs {
+                            continue;
+                        }
+                        let idx = pi * n + index;
+                        let choice = match kind {
+                            Kind::Chat => json!({"index": idx, "delta": {"content": text},
+                                "logprobs": if want_logprobs { chat_logprobs(&tok, &tokens) } else { Value::Null }, "finish_reason": null}),
+                            Kind::Completion => json!({"index": idx, "text": text,
+                                "logprobs": if want_logprobs { completion_logprobs(&tok, &tokens) } else { Value::Null }, "finish_reason": null}),
+                        };
+                        s.queue.push_back((s.chunk)(json!([choice]), None));
+                    }
+                    Some((pi, EngineEvent::Finished { index, reason, completion_tokens })) => {
+                        let idx = pi * n + index;
+                        s.completion.insert(idx, completion_tokens);
+                        let choice = match kind {
+                            Kind::Chat => json!({"index": idx, "delta": {}, "logprobs": null, "finish_reason": reason.as_openai_str()}),
+                            Kind::Completion => json!({"index": idx, "text": "", "logprobs": null, "finish_reason": reason.as_openai_str()}),
+                        };
+                        s.queue.push_back((s.chunk)(json!([choice]), None));
+                    }
+                    Some((_, EngineEvent::Failed(msg))) => {
+                        s.queue.push_back(Event::default().data(error_body(&msg, "server_error", None, None).to_string()));
+                        s.done = true;
+                    }
+                    None => {
+                        if include_usage {
+                            let completion: usize = s.completion.values().sum();
+                            s.queue.push_back((s.chunk)(json!([]), Some(usage(prompt_tokens, completion))));
+                        }
+                        s.queue.push_back(Event::default().data("[DONE]"));
+                        s.done = true;
+                    }
+                }
+            }
+        }
+    });
+    Sse::new(body.boxed())
+}
+
+async fn completions(State(st): State<Arc<ServerState>>, body: Bytes) -> ApiResult<Response> {
+    let v = parse_body(&body)?;
+    let req: CompletionRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid completion request: {e}")))?;
+    check_model(&st, req.model.as_deref())?;
+    let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
+    if req.echo == Some(true) {
+        return Err(ApiError::bad("echo is not supported").param("echo"));
+    }
+    if req.suffix.is_some() {
+        return Err(ApiError::bad("suffix is not supported").param("suffix"));
+    }
+    let n = req.n.unwrap_or(1);
+    if let Some(b) = req.best_of
+        && b != n
+    {
+        return Err(ApiError::bad("best_of different from n is not supported").param("best_of"));
+    }
+    if let Some(m) = req.max_tokens {
+        if m == 0 {
+            return Err(ApiError::bad("max_tokens must be at least 1").param("max_tokens"));
+        }
+        params.max_new_tokens = Some(m);
+    }
+    params.logprobs = req.logprobs;
+    params.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    let prompts: Vec<Vec<u32>> = match req.prompt {
+        Prompt::Text(t) => vec![st.tokenizer.encode_with(&t, true, true).map_err(Error::from)?],
+        Prompt::Texts(ts) => ts.iter().map(|t| st.tokenizer.encode_with(t, true, true)).collect::<std::result::Result<_, _>>().map_err(Error::from)?,
+        Prompt::Ids(ids) => vec![ids],
+        Prompt::IdsList(l) => l,
+    };
+    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+        return Err(ApiError::bad("the prompt must not be empty").param("prompt"));
+    }
+    let vocab = st.tokenizer.vocab_size();
+    if prompts.iter().flatten().any(|&t| t as usize >= vocab) {
+        return Err(ApiError::bad(format!("prompt token ids must be below the vocabulary size {vocab}")).param("prompt"));
+    }
+    let sub = submit_all(&st, prompts, &params, n, |_| 16)?;
+    let id = format!("cmpl-{}", uniq());
+    if req.stream == Some(true) {
+        let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        return Ok(sse_stream(st.clone(), sub, Kind::Completion, id, include_usage, req.logprobs.is_some()).into_response());
+    }
+    let prompt_tokens = sub.prompt_tokens;
+    let (accs, completion) = collect(sub).await?;
+    let choices: Vec<Value> = accs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            json!({
+                "index": i,
+                "text": a.text,
+                "logprobs": if req.logprobs.is_some() { completion_logprobs(&st.tokenizer, &a.tokens) } else { Value::Null },
+                "finish_reason": a.finish.map(|f| f.as_openai_str()),
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": now(), "model": st.model_name,
+        "choices": choices, "usage": usage(prompt_tokens, completion),
+    }))
+    .into_response())
+}
+
+fn uniq() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!("{:x}{:04x}", now(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+async fn chat_completions(State(st): State<Arc<ServerState>>, body: Bytes) -> ApiResult<Response> {
+    let v = parse_body(&body)?;
+    let req: ChatRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid chat request: {e}")))?;
+    check_model(&st, req.model.as_deref())?;
+    let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
+    let Some(template) = &st.template else {
+        return Err(ApiError::bad("this model has no chat template; use /v1/completions"));
+    };
+    if req.messages.is_empty() {
+        return Err(ApiError::bad("messages must not be empty").param("messages"));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for m in &req.messages {
+        let content = match &m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(ApiError::bad(format!("content part type `{}` is not supported (text only)", p.kind)).param("messages"));
+                    }
+                    s.push_str(p.text.as_deref().unwrap_or(""));
+                }
+                s
+            }
+        };
+        messages.push(ChatMessage::new(m.role.clone(), content));
+    }
+    let n = req.n.unwrap_or(1);
+    if let Some(m) = req.max_completion_tokens.or(req.max_tokens) {
+        if m == 0 {
+            return Err(ApiError::bad("max_tokens must be at least 1").param("max_tokens"));
+        }
+        params.max_new_tokens = Some(m);
+    }
+    let want_logprobs = req.logprobs == Some(true);
+    if req.top_logprobs.is_some() && !want_logprobs {
+        return Err(ApiError::bad("top_logprobs requires logprobs: true").param("top_logprobs"));
+    }
+    params.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0));
+    params.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    let bos = st.tokenizer.bos_token().unwrap_or_default();
+    let eos = st.tokenizer.eos_token().unwrap_or_default();
+    let text = template.render(&messages, req.add_generation_prompt.unwrap_or(true), &bos, &eos).map_err(|e| ApiError::bad(e.to_string()))?;
+    let prompt = st.tokenizer.encode_with(&text, false, true).map_err(Error::from)?;
+    let cap = st.engine.max_context().min(st.engine.config().num_blocks * st.engine.config().block_size);
+    let sub = submit_all(&st, vec![prompt], &params, n, |p| cap.saturating_sub(p))?;
+    let id = format!("chatcmpl-{}", uniq());
+    if req.stream == Some(true) {
+        let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        return Ok(sse_stream(st.clone(), sub, Kind::Chat, id, include_usage, want_logprobs).into_response());
+    }
+    let prompt_tokens = sub.prompt_tokens;
+    let (accs, completion) = collect(sub).await?;
+    let choices: Vec<Value> = accs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            json!({
+                "index": i,
+                "message": {"role": "assistant", "content": a.text},
+                "logprobs": if want_logprobs { chat_logprobs(&st.tokenizer, &a.tokens) } else { Value::Null },
+                "finish_reason": a.finish.map(|f| f.as_openai_str()),
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": id, "object": "chat.completion", "created": now(), "model": st.model_name,
+        "choices": choices, "usage": usage(prompt_tokens, completion),
+    }))
+    .into_response())
+}
