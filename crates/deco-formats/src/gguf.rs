@@ -614,3 +614,134 @@ impl GgufFile {
         s
     }
 }
+
+/// A tensor to write with [`write_gguf`].
+#[derive(Debug, Clone)]
+pub struct TensorToWrite<'a> {
+    /// Tensor name.
+    pub name: String,
+    /// Row-major (PyTorch) shape; written reversed, as GGUF dims.
+    pub shape: Vec<usize>,
+    /// Element type of `data`.
+    pub ggml_type: GgmlType,
+    /// Encoded data (`ggml_type.bytes_for(n_elements)` bytes).
+    pub data: &'a [u8],
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn type_id(v: &MetadataValue) -> u32 {
+    match v {
+        MetadataValue::U8(_) => 0,
+        MetadataValue::I8(_) => 1,
+        MetadataValue::U16(_) => 2,
+        MetadataValue::I16(_) => 3,
+        MetadataValue::U32(_) => 4,
+        MetadataValue::I32(_) => 5,
+        MetadataValue::F32(_) => 6,
+        MetadataValue::Bool(_) => 7,
+        MetadataValue::String(_) => 8,
+        MetadataValue::Array(_) => 9,
+        MetadataValue::U64(_) => 10,
+        MetadataValue::I64(_) => 11,
+        MetadataValue::F64(_) => 12,
+    }
+}
+
+fn put_value(out: &mut Vec<u8>, v: &MetadataValue) {
+    use MetadataValue as V;
+    match v {
+        V::U8(x) => out.push(*x),
+        V::I8(x) => out.extend_from_slice(&x.to_le_bytes()),
+        V::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
+        V::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
+        V::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        V::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        V::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        V::Bool(x) => out.push(u8::from(*x)),
+        V::String(s) => put_str(out, s),
+        V::Array(a) => {
+            // An empty array is written with element type u8, as gguf-py does for `[]`.
+            out.extend_from_slice(&a.first().map_or(0, type_id).to_le_bytes());
+            out.extend_from_slice(&(a.len() as u64).to_le_bytes());
+            for e in a {
+                put_value(out, e);
+            }
+        }
+        V::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
+        V::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
+        V::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
+    }
+}
+
+/// Writes a GGUF v3 file (the layout of gguf-py's `GGUFWriter`): header, metadata in the given
+/// order, tensor infos, then each tensor's data aligned to `general.alignment` (32 unless the
+/// metadata sets it). The file is written to `path` + `.tmp` and renamed into place.
+///
+/// # Errors
+/// [`Error::Invalid`] for arrays mixing element types, a tensor whose data length does not match
+/// its type and shape, or a bad alignment; [`Error::Io`] for write failures.
+pub fn write_gguf(path: &Path, metadata: &[(String, MetadataValue)], tensors: &[TensorToWrite<'_>]) -> Result<()> {
+    let invalid = |msg: String| Error::Invalid { path: path.to_path_buf(), format: "GGUF", msg };
+    let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
+        None => 32u64,
+        Some((_, v)) => v.as_u64().filter(|a| *a > 0 && a.is_power_of_two()).ok_or_else(|| invalid(format!("general.alignment {v} is not a power of two")))?,
+    };
+    fn check_array(v: &MetadataValue) -> bool {
+        match v {
+            MetadataValue::Array(a) => {
+                a.windows(2).all(|w| type_id(&w[0]) == type_id(&w[1])) && a.iter().all(check_array)
+            }
+            _ => true,
+        }
+    }
+    let mut out = Vec::new();
+    out.extend_from_slice(b"GGUF");
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+    for (k, v) in metadata {
+        if !check_array(v) {
+            return Err(invalid(format!("metadata `{k}`: array elements must all have one type")));
+        }
+        put_str(&mut out, k);
+        out.extend_from_slice(&type_id(v).to_le_bytes());
+        put_value(&mut out, v);
+    }
+    let mut offset = 0u64;
+    let mut offsets = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let n: usize = t.shape.iter().product();
+        let expected = t.ggml_type.bytes_for(n).map_err(|e| invalid(format!("tensor `{}`: {e}", t.name)))?;
+        if expected != t.data.len() {
+            return Err(invalid(format!(
+                "tensor `{}`: {} bytes given, {} {:?} needs {expected}",
+                t.name,
+                t.data.len(),
+                t.ggml_type.name(),
+                t.shape
+            )));
+        }
+        put_str(&mut out, &t.name);
+        out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
+        for &d in t.shape.iter().rev() {
+            out.extend_from_slice(&(d as u64).to_le_bytes());
+        }
+        out.extend_from_slice(&t.ggml_type.id().to_le_bytes());
+        out.extend_from_slice(&offset.to_le_bytes());
+        offsets.push(offset);
+        offset = (offset + t.data.len() as u64).div_ceil(alignment) * alignment;
+    }
+    let data_start = (out.len() as u64).div_ceil(alignment) * alignment;
+    out.resize(data_start as usize, 0);
+    for (t, off) in tensors.iter().zip(offsets) {
+        out.resize((data_start + off) as usize, 0);
+        out.extend_from_slice(t.data);
+    }
+    let tmp = path.with_extension("gguf.tmp");
+    std::fs::write(&tmp, &out).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
