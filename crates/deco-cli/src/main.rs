@@ -7,6 +7,7 @@ mod convert;
 mod generate;
 mod ppl;
 mod runtime;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,6 +27,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming it to stdout.
     Generate(generate::GenerateArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache).
+    Serve(serve::ServeArgs),
     /// Tokenize text and print the ids as a JSON list.
     Tokenize(TokenizeArgs),
     /// Print a GGUF file's metadata and tensor table (or a HF directory's config and tensors).
@@ -78,6 +81,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(&args),
+        Command::Serve(args) => serve::run(&args),
         Command::Tokenize(args) => tokenize(&args),
         Command::Inspect { file } => inspect(&file),
         Command::Convert(args) => convert::run(&args),
