@@ -7,13 +7,15 @@
 //! - [`smooth`]: SmoothQuant scales (Xiao et al. 2023), per-token activation quantization and
 //!   LLM.int8() outlier decomposition (Dettmers et al. 2022);
 //! - [`nf4`]: NormalFloat-4 with double quantization (Dettmers et al. 2023);
-//! - [`linalg`]: the Cholesky factorizations GPTQ needs.
+//! - [`linalg`]: the Cholesky factorizations GPTQ needs;
+//! - [`pipeline`]: whole-model, layer-by-layer quantization (RTN, GPTQ, NF4).
 
 pub mod awq;
 pub mod error;
 pub mod gptq;
 pub mod linalg;
 pub mod nf4;
+pub mod pipeline;
 pub mod scheme;
 pub mod smooth;
 
