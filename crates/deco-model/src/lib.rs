@@ -11,6 +11,7 @@
 //! continuous batching implements the same trait.
 
 pub mod calibrate;
+pub mod early_exit;
 pub mod error;
 pub mod kv_cache;
 pub mod llama;

@@ -1,0 +1,166 @@
+//! Entropy-threshold early exit (the seed's "early exit": Teerapittayanon et al. 2016, BranchyNet
+//! §3.2 entropy criterion; applied to decoder LMs as in Schuster et al. 2022, "Confident
+//! Adaptive Language Modeling" (CALM), §3 and §4.1 "softmax response"-style confidence, here
+//! the entropy of the intermediate distribution).
+//!
+//! After layer `l` (at the check points of [`EarlyExitConfig`]) the final RMSNorm and the LM
+//! head are applied to the residual stream; if the entropy of that distribution is below the
+//! threshold, the token's forward stops there and those logits are used.
+//!
+//! **Skipped layers' keys and values.** Later tokens attend to every layer of this one, so the
+//! skipped layers still get K/V for it: following CALM §4.2 ("we propagate the hidden state of
+//! the exited layer to the skipped layers"), the exit hidden state is fed as the input of every
+//! skipped layer and that layer's K/V are computed from it. Implementation note: this module
+//! reaches the layers only through `Llama::layer_forward`, which also runs the attention
+//! output and MLP of the skipped layer (the result is discarded). So the skipped fraction
+//! reported by [`EarlyExitStats`] is the compute a K/V-only projection path would save, not a
+//! wall-clock saving of this implementation.
+
+use burn::tensor::Tensor;
+
+use crate::kv_cache::{KvCache, SeqId};
+use crate::llama::{Llama, LogitsWanted, SeqInput};
+use crate::{Error, Result};
+
+/// When to test for an exit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EarlyExitConfig {
+    /// Exit when the entropy (nats) of the intermediate next-token distribution is below this.
+    pub entropy_threshold: f32,
+    /// First layer count at which an exit is tested (`>= 1`).
+    pub min_layers: usize,
+    /// Test every `check_every` layers from `min_layers` on (`>= 1`; each test costs one LM-head
+    /// product, about 8 layers' worth of FLOPs for SmolLM2's 49k vocabulary).
+    pub check_every: usize,
+}
+
+impl Default for EarlyExitConfig {
+    fn default() -> Self {
+        Self { entropy_threshold: 1.0, min_layers: 8, check_every: 4 }
+    }
+}
+
+/// Logits of one token and where it exited.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EarlyExitStep {
+    /// `[vocab]` logits (from the exit layer, or the full model).
+    pub logits: Vec<f32>,
+    /// Layers run at full depth before exiting (= `num_layers` when no exit).
+    pub exit_layer: usize,
+    /// Entropy (nats) of the distribution used.
+    pub entropy: f32,
+}
+
+/// Aggregate counters over many tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EarlyExitStats {
+    /// Tokens processed.
+    pub tokens: usize,
+    /// Sum over tokens of layers run before the exit.
+    pub layers_run: usize,
+    /// Sum over tokens of the model's depth.
+    pub layers_total: usize,
+}
+
+impl EarlyExitStats {
+    /// Adds one step.
+    pub fn record(&mut self, step: &EarlyExitStep, num_layers: usize) {
+        self.tokens += 1;
+        self.layers_run += step.exit_layer;
+        self.layers_total += num_layers;
+    }
+
+    /// Fraction of layer evaluations skipped, in `[0, 1]`.
+    pub fn skipped_fraction(&self) -> f64 {
+        if self.layers_total == 0 { 0.0 } else { 1.0 - self.layers_run as f64 / self.layers_total as f64 }
+    }
+}
+
+/// Entropy in nats of `softmax(logits)`.
+pub fn entropy(logits: &[f32]) -> f32 {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if m == f32::NEG_INFINITY {
+        return 0.0;
+    }
+    let z: f64 = logits.iter().map(|&l| f64::from(l - m).exp()).sum();
+    let lz = z.ln();
+    let h: f64 = logits
+        .iter()
+        .filter(|l| **l > f32::NEG_INFINITY)
+        .map(|&l| {
+            let lp = f64::from(l - m) - lz;
+            -lp.exp() * lp
+        })
+        .sum();
+    h as f32
+}
+
+fn row(t: Tensor<2>) -> Result<Vec<f32>> {
+    t.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))
+}
+
+impl Llama {
+    /// Runs one new token of `seq` with entropy-based early exit (see the
+    /// [module docs](crate::early_exit)); the cache gets K/V for every layer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a `min_layers` or `check_every` of 0, and the errors of
+    /// [`Llama::forward`].
+    pub fn forward_early_exit(&self, seq: SeqId, token: u32, cache: &mut dyn KvCache, cfg: &EarlyExitConfig) -> Result<EarlyExitStep> {
+        if cfg.min_layers == 0 || cfg.check_every == 0 {
+            return Err(Error::InvalidInput("early exit: min_layers and check_every must be >= 1".into()));
+        }
+        if !cfg.entropy_threshold.is_finite() {
+            return Err(Error::InvalidInput(format!("early exit: entropy_threshold must be finite, got {}", cfg.entropy_threshold)));
+        }
+        let tokens = [token];
+        let inputs = [SeqInput { seq, tokens: &tokens }];
+        let batch = self.prepare(&inputs, &*cache)?;
+        let n = self.num_layers();
+        let mut x = self.embed_tokens(&batch);
+        for li in 0..n {
+            x = self.layer_forward(li, x, &batch, &inputs, cache)?;
+            let done = li + 1;
+            if done < n && done >= cfg.min_layers && (done - cfg.min_layers) % cfg.check_every == 0 {
+                let logits = row(self.head(x.clone(), &batch, LogitsWanted::Last).logits)?;
+                let h = entropy(&logits);
+                if h < cfg.entropy_threshold {
+                    for lj in done..n {
+                        // K/V of the skipped layer from the exit hidden state (output discarded).
+                        let _ = self.layer_forward(lj, x.clone(), &batch, &inputs, cache)?;
+                    }
+                    cache.advance(seq, 1);
+                    return Ok(EarlyExitStep { logits, exit_layer: done, entropy: h });
+                }
+            }
+        }
+        cache.advance(seq, 1);
+        let logits = row(self.head(x, &batch, LogitsWanted::Last).logits)?;
+        let h = entropy(&logits);
+        Ok(EarlyExitStep { logits, exit_layer: n, entropy: h })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entropy_by_hand() {
+        // uniform over 4: ln 4
+        assert!((entropy(&[0.0; 4]) - 4f32.ln()).abs() < 1e-6);
+        // p = [0.5, 0.5, 0]: ln 2
+        assert!((entropy(&[1.0, 1.0, f32::NEG_INFINITY]) - 2f32.ln()).abs() < 1e-6);
+        // one-hot-ish: near 0
+        assert!(entropy(&[100.0, 0.0]) < 1e-6);
+    }
+
+    #[test]
+    fn stats_fraction() {
+        let mut s = EarlyExitStats::default();
+        let st = |l| EarlyExitStep { logits: vec![], exit_layer: l, entropy: 0.0 };
+        s.record(&st(10), 30);
+        s.record(&st(30), 30);
+        assert!((s.skipped_fraction() - 20.0 / 60.0).abs() < 1e-12);
+    }
+}
