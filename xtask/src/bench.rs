@@ -119,6 +119,7 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     let prompt_file = out_dir.join(format!("prompt-{}.txt", o.prompt_tokens));
     let loadavg = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     eprintln!("load average before the benchmark: {}", loadavg.trim());
+    warn_if_busy(&loadavg);
 
     let py = if o.skip_llama {
         None
@@ -192,8 +193,15 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         }
     }
 
+    let loadavg_after = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let table = render_table(o, &llama_runs, &deco_runs);
     println!("{table}");
+    println!(
+        "load average before: {}   after: {}",
+        loadavg.trim(),
+        loadavg_after.trim()
+    );
+    warn_if_busy(&loadavg_after);
     let result = json!({
         "threads": o.threads,
         "repeats": o.repeats,
@@ -201,6 +209,8 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         "decode_tokens": o.decode_tokens,
         "model": model,
         "loadavg_before": loadavg.trim(),
+        "loadavg_after": loadavg_after.trim(),
+        "omp_wait_policy": std::env::var("OMP_WAIT_POLICY").ok(),
         "llama_cpp": {
             "package": LLAMA_CPP_PYTHON,
             "system_info": llama_info.get("system_info"),
@@ -213,6 +223,25 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         .with_context(|| format!("cannot write {}", json_path.display()))?;
     eprintln!("results: {}", json_path.display());
     Ok(())
+}
+
+/// Warns when other processes already use the CPUs: llama.cpp's OpenMP threads spin-wait and
+/// lose badly when oversubscribed, so such numbers say little about either engine.
+fn warn_if_busy(loadavg: &str) {
+    let load1: f64 = loadavg
+        .split_whitespace()
+        .next()
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(0.0);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1) as f64;
+    if load1 > 0.5 {
+        eprintln!(
+            "warning: 1-minute load average {load1:.2} on {cpus} CPU(s): other work is running; \
+             throughput numbers (llama.cpp's especially) will be low and noisy"
+        );
+    }
 }
 
 fn stats_json(s: &Stats) -> Value {
