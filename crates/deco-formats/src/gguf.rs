@@ -94,7 +94,9 @@ impl MetadataValue {
     /// The value as a float, if it is numeric.
     pub fn as_f64(&self) -> Option<f64> {
         match *self {
-            Self::F32(v) => Some(v.into()),
+            // The shortest decimal that round-trips the f32 (1e-5 rather than 9.99999974e-6),
+            // so values copied into a `config.json` read as their authors wrote them.
+            Self::F32(v) => Some(v.to_string().parse::<f64>().unwrap_or(f64::from(v))),
             Self::F64(v) => Some(v),
             Self::I8(v) => Some(v.into()),
             Self::I16(v) => Some(v.into()),
