@@ -132,16 +132,18 @@ impl ModelConfig {
                 return Err(bad(format!("{name} is 0")));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(bad(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads, self.num_key_value_heads
             )));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(bad(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim)));
         }
-        if !(self.rms_norm_eps > 0.0) || !(self.rope_theta > 0.0) {
+        // Written so that NaN fails too.
+        let positive = |x: f64| x > 0.0;
+        if !positive(self.rms_norm_eps) || !positive(self.rope_theta) {
             return Err(bad(format!(
                 "rms_norm_eps {} and rope_theta {} must be positive",
                 self.rms_norm_eps, self.rope_theta

@@ -18,4 +18,4 @@ pub mod llama;
 
 pub use error::{Error, Result};
 pub use kv_cache::{DenseKvCache, KvCache, SeqId};
-pub use llama::{ForwardOutput, Llama, LogitsWanted, SeqInput};
+pub use llama::{ForwardOutput, Llama, LogitsWanted, SeqInput, TensorSource};

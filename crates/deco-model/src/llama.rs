@@ -3,13 +3,20 @@
 //! Reference: transformers `models/llama/modeling_llama.py` (`LlamaForCausalLM`) and
 //! `models/qwen2/modeling_qwen2.py`; Touvron et al. 2023 ("LLaMA"), §2.2.
 
+use std::sync::{Arc, OnceLock};
+
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use deco_formats::checkpoint::{Checkpoint, hf_expected_shape};
-use deco_formats::config::{ModelConfig, RopeScaling};
+use deco_formats::checkpoint::{Checkpoint, hf_expected_shape, hf_to_gguf_name};
+use deco_formats::config::{Architecture, ModelConfig, RopeScaling};
+use deco_formats::ggml::GgmlType;
 use deco_kernels::ops::{RopeTable, causal_gqa_attention, rms_norm, rope_inv_freq, swiglu};
+use deco_kernels::quant::{BlockType, PackedMatrix};
 
 use crate::kv_cache::{KvCache, SeqId};
 use crate::{Error, Result};
+
+/// A source of f32 weights by transformers name: `name -> (row-major shape, values)`.
+pub type TensorSource<'a> = dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)> + 'a;
 
 /// One sequence's new tokens in a batched forward. Their positions continue the sequence's cache:
 /// `cache.seq_len(seq) ..`.
@@ -59,21 +66,61 @@ impl ForwardOutput {
     }
 }
 
+/// A linear layer's weight: `y = x · Wᵀ` for `x` `[tokens, in]`.
+#[derive(Debug, Clone)]
+enum Linear {
+    /// f32 on the device, transposed: `[in, out]` (`y = x @ w`).
+    Dense(Tensor<2>),
+    /// GGUF blocks on the host, `[out, in]`, multiplied by the packed CPU kernels of
+    /// [`deco_kernels::quant`] (the activations go to the host and back: `into_data` /
+    /// `from_data`).
+    Packed(Arc<PackedMatrix>),
+}
+
+impl Linear {
+    fn apply(&self, x: Tensor<2>) -> Result<Tensor<2>> {
+        match self {
+            Linear::Dense(w) => Ok(x.matmul(w.clone())),
+            Linear::Packed(m) => {
+                let [n, _] = x.dims();
+                let device = x.device();
+                let xs = x.into_data().into_vec::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))?;
+                let mut y = vec![0.0f32; n * m.rows()];
+                m.matmul(&xs, n, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
+                Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
+            }
+        }
+    }
+}
+
+/// Token embeddings: dense on the device, or packed rows dequantized on lookup.
+#[derive(Debug, Clone)]
+enum Embedding {
+    /// `[vocab, hidden]` f32.
+    Dense(Tensor<2>),
+    /// `[vocab, hidden]` GGUF blocks.
+    Packed(Arc<PackedMatrix>),
+}
+
 #[derive(Debug, Clone)]
 struct Layer {
     attn_norm: Tensor<1>,
-    /// `[hidden, q + 2 kv]`: Q, K, V projections fused and transposed for `x @ w`.
-    wqkv: Tensor<2>,
+    /// Q, K, V projections fused: out = `q + 2 kv`, in = `hidden`.
+    wqkv: Linear,
     /// `[q + 2 kv]` when the architecture has attention biases.
     bqkv: Option<Tensor<1>>,
-    /// `[q, hidden]`
-    wo: Tensor<2>,
+    /// out = `hidden`, in = `q`.
+    wo: Linear,
     ffn_norm: Tensor<1>,
-    /// `[hidden, 2 * intermediate]`: gate and up projections fused.
-    w_gate_up: Tensor<2>,
-    /// `[intermediate, hidden]`
-    w_down: Tensor<2>,
+    /// Gate and up projections fused: out = `2 * intermediate`, in = `hidden`.
+    w_gate_up: Linear,
+    /// out = `hidden`, in = `intermediate`.
+    w_down: Linear,
 }
+
+/// A source of packed weights: `Ok(Some(matrix))` (HF layout `[out, in]`) for a weight kept in
+/// its GGUF blocks, `Ok(None)` for one that must be loaded as f32.
+type PackedSource<'a> = &'a dyn Fn(&str) -> Result<Option<PackedMatrix>>;
 
 /// A Llama-family causal language model with weights on a burn device.
 #[derive(Debug, Clone)]
@@ -81,13 +128,64 @@ pub struct Llama {
     /// Hyper-parameters.
     pub config: ModelConfig,
     device: Device,
-    /// `[vocab, hidden]`
-    embed: Tensor<2>,
+    embed: Embedding,
     layers: Vec<Layer>,
     norm: Tensor<1>,
-    /// `[hidden, vocab]`
-    lm_head: Tensor<2>,
+    /// The LM head (out = `vocab`, in = `hidden`).
+    head: Linear,
+    /// `[hidden, vocab]` f32, built on first use of [`Llama::lm_head`] when `head` is packed.
+    lm_head_dense: OnceLock<Tensor<2>>,
     rope: RopeTable,
+}
+
+/// Reads a linear weight of a GGUF checkpoint as packed blocks if its type has packed kernels
+/// (Q4_0, Q4_1, Q8_0), un-permuting llama.cpp's Q/K rows as `Checkpoint::tensor` does.
+fn gguf_packed(ckpt: &Checkpoint, hf_name: &str) -> Result<Option<PackedMatrix>> {
+    let Some(g) = ckpt.gguf() else { return Ok(None) };
+    let Some(gname) = hf_to_gguf_name(hf_name) else { return Ok(None) };
+    let Some(info) = g.tensor_info(&gname) else { return Ok(None) };
+    let ty = match info.ggml_type {
+        GgmlType::Q4_0 => BlockType::Q4_0,
+        GgmlType::Q4_1 => BlockType::Q4_1,
+        GgmlType::Q8_0 => BlockType::Q8_0,
+        _ => return Ok(None),
+    };
+    let shape = info.shape();
+    let cfg = &ckpt.config;
+    if shape.len() != 2 || Some(&shape) != hf_expected_shape(cfg, hf_name).as_ref() {
+        // Let the dense path report the mismatch.
+        return Ok(None);
+    }
+    let (_, bytes) = g.tensor_bytes(&gname)?;
+    let m = PackedMatrix::new(ty, shape[0], shape[1], bytes.to_vec())
+        .map_err(|e| Error::InvalidInput(format!("weight `{hf_name}`: {e}")))?;
+    let heads = if cfg.model_type != Architecture::Llama {
+        None
+    } else if hf_name.ends_with("q_proj.weight") {
+        Some(cfg.num_attention_heads)
+    } else if hf_name.ends_with("k_proj.weight") {
+        Some(cfg.num_key_value_heads)
+    } else {
+        None
+    };
+    let Some(n_head) = heads else { return Ok(Some(m)) };
+    // `deco_formats::checkpoint::unpermute_qk` on rows: HF row h·d + i·d/2 + j is GGUF row
+    // h·d + 2j + i.
+    let rows = shape[0];
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
+        return Ok(None);
+    }
+    let d = rows / n_head;
+    let half = d / 2;
+    let mut perm = vec![0usize; rows];
+    for h in 0..n_head {
+        for j in 0..half {
+            for i in 0..2 {
+                perm[h * d + i * half + j] = h * d + 2 * j + i;
+            }
+        }
+    }
+    Ok(Some(m.permute_rows(&perm).map_err(|e| Error::InvalidInput(e.to_string()))?))
 }
 
 fn transpose_host(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -136,7 +234,12 @@ pub fn config_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
 }
 
 impl Llama {
-    /// Loads the weights of `ckpt` onto `device` (dequantized to f32).
+    /// Loads the weights of `ckpt` onto `device`.
+    ///
+    /// Linear weights (and the token embedding / LM head) stored in a GGUF file as Q4_0, Q4_1
+    /// or Q8_0 stay in their packed blocks on the host and run on the packed CPU kernels of
+    /// [`deco_kernels::quant`] (f32 activations); every other weight is dequantized to f32 on
+    /// `device`. The packed path is used only when `device` is the CPU (`flex`).
     ///
     /// `max_positions` bounds the RoPE table (and so the usable context); `None` uses the model's
     /// `max_position_embeddings`.
@@ -144,7 +247,10 @@ impl Llama {
     /// # Errors
     /// The checkpoint's errors: missing tensors, shape mismatches, unsupported quantization types.
     pub fn load(ckpt: &Checkpoint, device: &Device, max_positions: Option<usize>) -> Result<Self> {
-        Self::load_from(&ckpt.config, &|name| Ok(ckpt.tensor(name)?), device, max_positions)
+        let packed = |name: &str| gguf_packed(ckpt, name);
+        let on_cpu = *device == Device::flex();
+        let packed: Option<PackedSource<'_>> = if on_cpu { Some(&packed) } else { None };
+        Self::build(&ckpt.config, &|name| Ok(ckpt.tensor(name)?), packed, device, max_positions)
     }
 
     /// Builds the model from any source of f32 tensors in transformers names and layout
@@ -155,7 +261,17 @@ impl Llama {
     /// Whatever `tensor` returns for a missing or malformed weight.
     pub fn load_from(
         config: &ModelConfig,
+        tensor: &TensorSource<'_>,
+        device: &Device,
+        max_positions: Option<usize>,
+    ) -> Result<Self> {
+        Self::build(config, tensor, None, device, max_positions)
+    }
+
+    fn build(
+        config: &ModelConfig,
         tensor: &dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)>,
+        packed: Option<PackedSource<'_>>,
         device: &Device,
         max_positions: Option<usize>,
     ) -> Result<Self> {
@@ -198,26 +314,68 @@ impl Llama {
             Tensor::from_data(TensorData::new(out, [inner, total]), device)
         };
 
-        let embed_data = get("model.embed_tokens.weight")?;
-        let lm_head = if cfg.tie_word_embeddings {
-            transpose_host(&embed_data, cfg.vocab_size, h)
-        } else {
-            get_t("lm_head.weight")?.0
+        // The weights `names` stacked along the output dimension: packed when every part is
+        // packed with the same block type, dense (transposed, `[in, sum out]`) otherwise.
+        let linear = |names: &[String], inner: usize| -> Result<Linear> {
+            if let Some(pk) = packed {
+                let mut parts = Vec::with_capacity(names.len());
+                for n in names {
+                    match pk(n)? {
+                        Some(m) => parts.push(m),
+                        None => break,
+                    }
+                }
+                if parts.len() == names.len() {
+                    let refs: Vec<&PackedMatrix> = parts.iter().collect();
+                    if let Ok(m) = PackedMatrix::concat_rows(&refs) {
+                        return Ok(Linear::Packed(Arc::new(m)));
+                    }
+                }
+            }
+            let parts = names.iter().map(|n| get_t(n)).collect::<Result<Vec<_>>>()?;
+            Ok(Linear::Dense(cat_cols(parts, inner)))
         };
-        let lm_head = Tensor::from_data(TensorData::new(lm_head, [h, cfg.vocab_size]), device);
-        let embed = Tensor::from_data(TensorData::new(embed_data, [cfg.vocab_size, h]), device);
+
+        let packed_embed = match packed {
+            Some(pk) => pk("model.embed_tokens.weight")?.map(Arc::new),
+            None => None,
+        };
+        let (embed, head) = match packed_embed {
+            Some(m) => {
+                let head = if cfg.tie_word_embeddings {
+                    Linear::Packed(m.clone())
+                } else {
+                    linear(&["lm_head.weight".to_string()], h)?
+                };
+                (Embedding::Packed(m), head)
+            }
+            None => {
+                let embed_data = get("model.embed_tokens.weight")?;
+                let head = if cfg.tie_word_embeddings {
+                    let t = transpose_host(&embed_data, cfg.vocab_size, h);
+                    Linear::Dense(Tensor::from_data(TensorData::new(t, [h, cfg.vocab_size]), device))
+                } else {
+                    linear(&["lm_head.weight".to_string()], h)?
+                };
+                (Embedding::Dense(Tensor::from_data(TensorData::new(embed_data, [cfg.vocab_size, h]), device)), head)
+            }
+        };
+        let lm_head_dense = OnceLock::new();
+        if let Linear::Dense(w) = &head {
+            let _ = lm_head_dense.set(w.clone());
+        }
 
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let wqkv = cat_cols(
-                vec![
-                    get_t(&format!("{p}.self_attn.q_proj.weight"))?,
-                    get_t(&format!("{p}.self_attn.k_proj.weight"))?,
-                    get_t(&format!("{p}.self_attn.v_proj.weight"))?,
+            let wqkv = linear(
+                &[
+                    format!("{p}.self_attn.q_proj.weight"),
+                    format!("{p}.self_attn.k_proj.weight"),
+                    format!("{p}.self_attn.v_proj.weight"),
                 ],
                 h,
-            );
+            )?;
             let bqkv = if cfg.attention_bias {
                 let mut b = get(&format!("{p}.self_attn.q_proj.bias"))?;
                 b.extend(get(&format!("{p}.self_attn.k_proj.bias"))?);
@@ -226,27 +384,22 @@ impl Llama {
             } else {
                 None
             };
-            let (wo, _) = get_t(&format!("{p}.self_attn.o_proj.weight"))?;
-            let (wd, _) = get_t(&format!("{p}.mlp.down_proj.weight"))?;
             let q = cfg.num_attention_heads * cfg.head_dim;
             let inter = cfg.intermediate_size;
             layers.push(Layer {
                 attn_norm: t1(get(&format!("{p}.input_layernorm.weight"))?),
                 wqkv,
                 bqkv,
-                wo: Tensor::from_data(TensorData::new(wo, [q, h]), device),
+                wo: linear(&[format!("{p}.self_attn.o_proj.weight")], q)?,
                 ffn_norm: t1(get(&format!("{p}.post_attention_layernorm.weight"))?),
-                w_gate_up: cat_cols(
-                    vec![get_t(&format!("{p}.mlp.gate_proj.weight"))?, get_t(&format!("{p}.mlp.up_proj.weight"))?],
-                    h,
-                ),
-                w_down: Tensor::from_data(TensorData::new(wd, [inter, h]), device),
+                w_gate_up: linear(&[format!("{p}.mlp.gate_proj.weight"), format!("{p}.mlp.up_proj.weight")], h)?,
+                w_down: linear(&[format!("{p}.mlp.down_proj.weight")], inter)?,
             });
         }
         let norm = t1(get("model.norm.weight")?);
         let max_pos = max_positions.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let rope = RopeTable::new(&config_inv_freq(&cfg), max_pos, device);
-        Ok(Self { config: cfg, device: device.clone(), embed, layers, norm, lm_head, rope })
+        Ok(Self { config: cfg, device: device.clone(), embed, layers, norm, head, lm_head_dense, rope })
     }
 
     /// The device the weights live on.
@@ -308,9 +461,18 @@ impl Llama {
         self.layers.len()
     }
 
-    /// The LM head, `[hidden, vocab]` (transposed: `logits = hidden @ lm_head`).
+    /// The LM head, `[hidden, vocab]` (transposed: `logits = hidden @ lm_head`), f32.
+    ///
+    /// For a packed (quantized GGUF) head this dequantizes it on first call and keeps the copy
+    /// (`4 · hidden · vocab` bytes); the forward pass itself never needs it.
     pub fn lm_head(&self) -> &Tensor<2> {
-        &self.lm_head
+        self.lm_head_dense.get_or_init(|| match &self.head {
+            Linear::Dense(w) => w.clone(),
+            Linear::Packed(m) => {
+                let t = transpose_host(&m.dequantize(), m.rows(), m.cols());
+                Tensor::from_data(TensorData::new(t, [m.cols(), m.rows()]), &self.device)
+            }
+        })
     }
 
     /// Validates a batch and lays out its tokens and positions.
@@ -345,6 +507,7 @@ impl Llama {
         let dev = &self.device;
         Ok(Batch {
             n,
+            host_ids: ids.iter().map(|&t| t as usize).collect(),
             ids: Tensor::from_data(TensorData::new(ids, [n]), dev),
             positions: Tensor::from_data(TensorData::new(positions, [n]), dev),
             spans,
@@ -353,7 +516,19 @@ impl Llama {
 
     /// Token embeddings of a batch, `[tokens, hidden]`.
     pub(crate) fn embed_tokens(&self, batch: &Batch) -> Tensor<2> {
-        self.embed.clone().select(0, batch.ids.clone())
+        match &self.embed {
+            Embedding::Dense(e) => e.clone().select(0, batch.ids.clone()),
+            Embedding::Packed(m) => {
+                let h = m.cols();
+                let mut out = vec![0.0f32; batch.n * h];
+                for (o, &id) in out.chunks_exact_mut(h).zip(&batch.host_ids) {
+                    // Ids are checked against the vocabulary in `prepare`, and `o` is one row,
+                    // so this cannot fail; a failure would leave a zero row.
+                    let _ = m.dequantize_rows(id, o);
+                }
+                Tensor::from_data(TensorData::new(out, [batch.n, h]), &self.device)
+            }
+        }
     }
 
     /// One decoder layer (pre-norm attention and SwiGLU MLP with residuals) over the batch's
@@ -375,7 +550,7 @@ impl Llama {
         let inter = cfg.intermediate_size;
 
         let xn = rms_norm(x.clone(), &layer.attn_norm, eps);
-        let mut qkv = xn.matmul(layer.wqkv.clone()); // [n, q + 2kv]
+        let mut qkv = layer.wqkv.apply(xn)?; // [n, q + 2kv]
         if let Some(b) = &layer.bqkv {
             qkv = qkv.add(b.clone().unsqueeze_dim::<2>(0));
         }
@@ -401,13 +576,13 @@ impl Llama {
             outs.push(causal_gqa_attention(qs, kall, vall, sp.past));
         }
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
-        let x = x.add(attn.matmul(layer.wo.clone()));
+        let x = x.add(layer.wo.apply(attn)?);
 
         let xn = rms_norm(x.clone(), &layer.ffn_norm, eps);
-        let gu = xn.matmul(layer.w_gate_up.clone()); // [n, 2i]
+        let gu = layer.w_gate_up.apply(xn)?; // [n, 2i]
         let gate = gu.clone().slice([0..n, 0..inter]);
         let up = gu.slice([0..n, inter..2 * inter]);
-        Ok(x.add(swiglu(gate, up).matmul(layer.w_down.clone())))
+        Ok(x.add(layer.w_down.apply(swiglu(gate, up))?))
     }
 
     /// Final RMSNorm and LM head over the rows `wanted` of the residual stream `x`.
@@ -422,7 +597,11 @@ impl Llama {
             }
         };
         let hidden = rms_norm(x, &self.norm, self.config.rms_norm_eps);
-        let logits = hidden.clone().matmul(self.lm_head.clone());
+        // A packed head can only fail on a host read of `hidden`; fall back to the dense copy.
+        let logits = match self.head.apply(hidden.clone()) {
+            Ok(l) => l,
+            Err(_) => hidden.clone().matmul(self.lm_head().clone()),
+        };
         ForwardOutput { logits, hidden, rows }
     }
 }
@@ -442,6 +621,8 @@ pub(crate) struct Span {
 #[derive(Debug, Clone)]
 pub(crate) struct Batch {
     pub n: usize,
+    /// The token ids on the host (for packed embedding lookups).
+    pub host_ids: Vec<usize>,
     pub ids: Tensor<1, Int>,
     pub positions: Tensor<1, Int>,
     pub spans: Vec<Span>,
