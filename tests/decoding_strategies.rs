@@ -85,3 +85,134 @@ fn contrastive_search_with_zero_alpha_is_greedy() {
     let cs = contrastive_search(&mut LlamaSession::new(m), &prompt, &params, 0.6, &[], &mut no_sink()).expect("cs");
     assert_eq!(cs.tokens.len(), 6);
 }
+
+fn time<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let t = std::time::Instant::now();
+    let r = f();
+    (r, t.elapsed().as_secs_f64())
+}
+
+/// The measurement table of docs/decoding.md (several minutes on 2 cores):
+/// `cargo test --release -p deco-tests --test decoding_strategies -- --ignored --nocapture bench_decoding`
+#[test]
+#[ignore = "benchmark; prints the docs/decoding.md tables"]
+fn bench_decoding() {
+    let m = model();
+    let wiki = std::fs::read_to_string(deco_tests::asset("data/wiki_test.txt")).expect("wiki");
+    let wiki_prompt: String = wiki.chars().take(800).collect();
+    let prompts = [
+        ("wiki-800c", tokens(&wiki_prompt)),
+        ("chat-list", tokens("<|im_start|>user\nList the days of the week and the months of the year.<|im_end|>\n<|im_start|>assistant\n")),
+        ("chat-code", tokens("<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci number.<|im_end|>\n<|im_start|>assistant\n")),
+    ];
+    let max_new = 48;
+    let params = greedy(max_new);
+    println!("\n## speculative, T=0, max_new_tokens={max_new}, gamma=4\n");
+    println!("| prompt | drafter | acceptance | tokens | target forwards | tok/s | speedup vs greedy |");
+    println!("|---|---|---|---|---|---|---|");
+    for (name, p) in &prompts {
+        let (g, tg) = time(|| generate(&mut LlamaSession::new(m), p, &params, &[2], &mut no_sink()).expect("greedy"));
+        let n = g.tokens.len() as f64;
+        println!("| {name} | none (greedy) | - | {} | {} | {:.1} | 1.00 |", g.tokens.len(), g.tokens.len() + 1, n / tg);
+        let run = |label: String, d: &mut dyn Drafter| {
+            let (s, ts) = time(|| speculative_generate(&mut LlamaSession::new(m), d, p, &params, 4, &[2], &mut no_sink()).expect("spec"));
+            assert_eq!(s.generation.tokens, g.tokens, "{label} on {name} differs from greedy");
+            println!(
+                "| {name} | {label} | {:.3} | {} | {} | {:.1} | {:.2} |",
+                s.stats.acceptance_rate(),
+                s.generation.tokens.len(),
+                s.stats.target_forward_calls,
+                n / ts,
+                tg / ts
+            );
+        };
+        run("prompt lookup (ngram 2)".into(), &mut PromptLookupDrafter::default());
+        for k in [8usize, 16, 24] {
+            let mut d = ModelDrafter::new(LlamaSession::truncated(m, k).expect("draft"), 1).expect("drafter");
+            run(format!("self, first {k}/30 layers"), &mut d);
+        }
+    }
+
+    println!("\n## beam search cost, prompt wiki-800c, max_new_tokens=24, length_penalty=1\n");
+    println!("| num_beams | time (s) | ms per step | best sum logprob | best score |");
+    println!("|---|---|---|---|---|");
+    let bp = greedy(24);
+    for nb in [1usize, 2, 4, 8] {
+        let beam = BeamSearchParams { num_beams: nb, ..Default::default() };
+        let (out, t) = time(|| beam_search(&mut LlamaSession::new(m), &prompts[0].1, &bp, &beam, &[2]).expect("beam"));
+        let b = &out.sequences[0];
+        println!("| {nb} | {t:.2} | {:.0} | {:.3} | {:.4} |", 1000.0 * t / out.forward_calls as f64, b.sum_logprobs, b.score);
+    }
+
+    println!("\n## early exit, teacher-forced on the first 256 tokens of data/wiki_test.txt (no BOS)\n");
+    let text: String = wiki.chars().take(4000).collect();
+    let ids: Vec<u32> = tokens(&text).into_iter().take(257).collect();
+    let mut cache = deco_model::DenseKvCache::new(m.num_layers());
+    let full = m
+        .forward(&[deco_model::SeqInput { seq: 0, tokens: &ids[..256] }], &mut cache, deco_model::LogitsWanted::All)
+        .expect("full")
+        .logits_rows()
+        .expect("rows");
+    let nll = |row: &[f32], t: u32| -f64::from(deco_decoding::math::log_softmax(row)[t as usize]);
+    let full_ppl = (full.iter().enumerate().map(|(i, r)| nll(r, ids[i + 1])).sum::<f64>() / 256.0).exp();
+    println!("full model: ppl {full_ppl:.3}\n");
+    println!("| entropy threshold (nats) | min_layers / check_every | layers skipped | ppl | top-1 agreement with full | time (s) |");
+    println!("|---|---|---|---|---|---|");
+    for (thr, min_l, every) in [(0.25f32, 8usize, 4usize), (0.5, 8, 4), (1.0, 8, 4), (0.5, 16, 4), (1.0, 16, 4), (2.0, 20, 5)] {
+        let cfg = deco_model::early_exit::EarlyExitConfig { entropy_threshold: thr, min_layers: min_l, check_every: every };
+        let mut cache = deco_model::DenseKvCache::new(m.num_layers());
+        let mut stats = deco_model::early_exit::EarlyExitStats::default();
+        let (mut nll_sum, mut agree) = (0.0, 0usize);
+        let (_, t) = time(|| {
+            for i in 0..256 {
+                let step = m.forward_early_exit(0, ids[i], &mut cache, &cfg).expect("ee");
+                stats.record(&step, m.num_layers());
+                nll_sum += nll(&step.logits, ids[i + 1]);
+                let a = deco_decoding::math::argmax(&step.logits);
+                if a == deco_decoding::math::argmax(&full[i]) {
+                    agree += 1;
+                }
+            }
+        });
+        println!(
+            "| {thr} | {min_l} / {every} | {:.3} | {:.3} | {:.3} | {t:.1} |",
+            stats.skipped_fraction(),
+            (nll_sum / 256.0).exp(),
+            agree as f64 / 256.0
+        );
+    }
+}
+
+#[test]
+fn early_exit_limits_match_full_and_truncated_forwards() {
+    use deco_model::early_exit::EarlyExitConfig;
+    use deco_model::{DenseKvCache, LogitsWanted, SeqInput};
+    let m = model();
+    let ids = tokens("The quick brown fox jumps over");
+    let (last, head) = ids.split_last().expect("ids");
+    let full_next = |num_layers: usize| {
+        let mut c = DenseKvCache::new(num_layers);
+        m.forward_partial(&[SeqInput { seq: 0, tokens: &ids }], &mut c, LogitsWanted::Last, num_layers)
+            .expect("fwd")
+            .logits_rows()
+            .expect("rows")
+            .remove(0)
+    };
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    // Threshold 0 never exits: the full model.
+    let mut c = DenseKvCache::new(m.num_layers());
+    m.forward(&[SeqInput { seq: 0, tokens: head }], &mut c, LogitsWanted::Last).expect("prefill");
+    let never = EarlyExitConfig { entropy_threshold: 0.0, min_layers: 8, check_every: 4 };
+    let step = m.forward_early_exit(0, *last, &mut c, &never).expect("ee");
+    assert_eq!(step.exit_layer, 30);
+    assert!(max_diff(&step.logits, &full_next(30)) < 1e-3);
+    // A huge threshold exits at min_layers: the first 8 layers + norm + head.
+    let mut c = DenseKvCache::new(m.num_layers());
+    m.forward(&[SeqInput { seq: 0, tokens: head }], &mut c, LogitsWanted::Last).expect("prefill");
+    let always = EarlyExitConfig { entropy_threshold: 1e9, min_layers: 8, check_every: 4 };
+    let step = m.forward_early_exit(0, *last, &mut c, &always).expect("ee");
+    assert_eq!(step.exit_layer, 8);
+    assert!(max_diff(&step.logits, &full_next(8)) < 1e-3);
+    // Every layer's cache got the token.
+    assert_eq!(deco_model::KvCache::seq_len(&c, 0), ids.len());
+}
