@@ -172,6 +172,14 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         }
         if let Some(bin) = &deco {
             let prompt = prompt_text(&prompt_file, py.is_some(), &text, o.prompt_tokens)?;
+            if r == 0 {
+                // Unmeasured warm-up, like llama_bench.py's (page cache, first-touch effects).
+                let w = run_deco(bin, &model, &prompt, o)?;
+                eprintln!(
+                    "[warm-up] deco prefill {:.2} tok/s, decode {:.2} tok/s (not counted)",
+                    w.prompt_tok_s, w.decode_tok_s
+                );
+            }
             let s = run_deco(bin, &model, &prompt, o)?;
             eprintln!(
                 "[{}/{}] deco      prefill {:.2} tok/s ({} tokens), decode {:.2} tok/s ({} tokens)",
