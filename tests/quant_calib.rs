@@ -135,12 +135,12 @@ fn quant_table() {
     let runs: Vec<(&str, &str, Method, Scheme)> = vec![
         ("rtn", "W8 per-channel", Method::Rtn, Scheme { bits: 8, sym: false, granularity: Granularity::PerChannel }),
         ("gptq", "W8 per-channel", Method::Gptq(g(8, None)), Scheme { bits: 8, sym: false, granularity: Granularity::PerChannel }),
-        ("rtn", "W4 g128", Method::Rtn, Scheme { bits: 4, sym: false, granularity: Granularity::PerGroup(128) }),
-        ("gptq", "W4 g128", Method::Gptq(g(4, Some(128))), Scheme { bits: 4, sym: false, granularity: Granularity::PerGroup(128) }),
+        ("rtn", "W4 g192", Method::Rtn, Scheme { bits: 4, sym: false, granularity: Granularity::PerGroup(192) }),
+        ("gptq", "W4 g192", Method::Gptq(g(4, Some(192))), Scheme { bits: 4, sym: false, granularity: Granularity::PerGroup(192) }),
         ("rtn", "W4 per-channel", Method::Rtn, Scheme { bits: 4, sym: false, granularity: Granularity::PerChannel }),
         ("gptq", "W4 per-channel", Method::Gptq(g(4, None)), Scheme { bits: 4, sym: false, granularity: Granularity::PerChannel }),
-        ("rtn", "W3 g128", Method::Rtn, Scheme { bits: 3, sym: false, granularity: Granularity::PerGroup(128) }),
-        ("gptq", "W3 g128", Method::Gptq(g(3, Some(128))), Scheme { bits: 3, sym: false, granularity: Granularity::PerGroup(128) }),
+        ("rtn", "W3 g192", Method::Rtn, Scheme { bits: 3, sym: false, granularity: Granularity::PerGroup(192) }),
+        ("gptq", "W3 g192", Method::Gptq(g(3, Some(192))), Scheme { bits: 3, sym: false, granularity: Granularity::PerGroup(192) }),
         ("nf4", "NF4 b64 DQ", Method::Nf4, Scheme { bits: 4, sym: true, granularity: Granularity::PerGroup(64) }),
     ];
     for (m, s, method, scheme) in runs {
