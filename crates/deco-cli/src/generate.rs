@@ -1,16 +1,43 @@
-//! `deco generate`: prompt in, streamed text out.
+//! `deco generate`: prompt in, streamed text out, with every decoding strategy of
+//! `deco-generate` (greedy, sampling, beam search, contrastive decoding and search, speculative
+//! decoding, early exit).
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
-use deco_decoding::{ProcessContext, Sampler, SamplingParams};
+use clap::{Args, ValueEnum};
+use deco_decoding::{SamplingParams, StopStringMatcher};
 use deco_formats::chat_template::{ChatMessage, ChatTemplate};
-use deco_model::{DenseKvCache, LogitsWanted, SeqInput};
+use deco_formats::checkpoint::Checkpoint;
+
+use deco_generate::{
+    BeamSearchParams, ContrastiveDecodingParams, EarlyStopping, LlamaSession, ModelDrafter, PromptLookupDrafter,
+};
+use deco_model::early_exit::{EarlyExitConfig, EarlyExitStats};
+use deco_model::{DenseKvCache, Llama, LogitsWanted, SeqInput};
 
 use crate::ModelArgs;
+
+/// Decoding strategy of `deco generate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Strategy {
+    /// Argmax of the processed logits.
+    Greedy,
+    /// Sampling from the processed distribution.
+    Sample,
+    /// Beam search (`--num-beams`, `--length-penalty`, `--early-stopping`, `-n`).
+    Beam,
+    /// Contrastive decoding, Li et al. 2023 (`--amateur-model` or `--amateur-layers`).
+    Contrastive,
+    /// Contrastive search, Su et al. 2022 (`--penalty-alpha`, `--top-k`).
+    ContrastiveSearch,
+    /// Speculative decoding (`--draft-model`, or `--draft-layers`, or `--prompt-lookup`).
+    Speculative,
+    /// Entropy-threshold early exit (`--exit-entropy`).
+    EarlyExit,
+}
 
 /// Arguments of `deco generate`.
 #[derive(Debug, Args)]
@@ -32,22 +59,169 @@ pub struct GenerateArgs {
     /// Maximum number of tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
+    /// Decoding strategy (default: greedy when --temperature is 0, else sample).
+    #[arg(long, value_enum)]
+    strategy: Option<Strategy>,
     /// Sampling temperature; 0 (the default) is greedy decoding, as Hugging Face's
     /// `do_sample=False`. A positive value turns sampling on.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// Keep the `top_k` most likely tokens (0 = off). Only used when sampling.
+    /// Keep the `top_k` most likely tokens (0 = off). Only used when sampling; for
+    /// contrastive search, the number of candidates (default 4).
     #[arg(long)]
     top_k: Option<i64>,
     /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p`.
     #[arg(long)]
     top_p: Option<f32>,
+    /// Min-p: keep tokens with probability >= min_p * max probability.
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Locally typical sampling mass.
+    #[arg(long)]
+    typical_p: Option<f32>,
+    /// Repetition penalty over prompt + output (Hugging Face; 1 = off).
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// OpenAI frequency penalty (output tokens).
+    #[arg(long)]
+    frequency_penalty: Option<f32>,
+    /// OpenAI presence penalty (output tokens).
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    /// Forbid repeating any n-gram of this size.
+    #[arg(long)]
+    no_repeat_ngram_size: Option<usize>,
+    /// EOS is blocked until this many tokens were generated.
+    #[arg(long)]
+    min_new_tokens: Option<usize>,
+    /// Stop string (repeatable); excluded from the output.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print the chosen token's log-probability and the top N alternatives per token (JSON
+    /// lines on stderr).
+    #[arg(long)]
+    logprobs: Option<usize>,
+    /// Number of sequences: independent samples (seeds seed, seed+1, ...) or, for beam
+    /// search, the number of returned beams.
+    #[arg(short = 'n', long = "num-return-sequences", default_value_t = 1)]
+    n: usize,
+    /// Beam search: number of beams.
+    #[arg(long, default_value_t = 4)]
+    num_beams: usize,
+    /// Beam search: exponent of the length normalisation (score = sum logprobs / len^alpha).
+    #[arg(long, default_value_t = 1.0)]
+    length_penalty: f32,
+    /// Beam search: true, false or never (Hugging Face `early_stopping`).
+    #[arg(long, default_value = "false")]
+    early_stopping: String,
+    /// Contrastive search: degeneration penalty weight.
+    #[arg(long, default_value_t = 0.6)]
+    penalty_alpha: f32,
+    /// Speculative decoding: draft model (GGUF or HF dir) sharing the tokenizer.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Speculative decoding without --draft-model: draft with the target's first K layers.
+    #[arg(long, default_value_t = 8)]
+    draft_layers: usize,
+    /// Speculative decoding: draft by prompt lookup (n-gram match in the context) instead.
+    #[arg(long)]
+    prompt_lookup: bool,
+    /// Speculative decoding: tokens drafted per round (gamma).
+    #[arg(long, default_value_t = 5)]
+    num_speculative_tokens: usize,
+    /// Contrastive decoding: amateur model sharing the tokenizer.
+    #[arg(long)]
+    amateur_model: Option<PathBuf>,
+    /// Contrastive decoding without --amateur-model: the expert's first K layers.
+    #[arg(long, default_value_t = 8)]
+    amateur_layers: usize,
+    /// Contrastive decoding: plausibility cutoff alpha (keep p >= alpha * max p).
+    #[arg(long, default_value_t = 0.1)]
+    contrastive_alpha: f32,
+    /// Contrastive decoding: temperature of the amateur.
+    #[arg(long, default_value_t = 1.0)]
+    amateur_temperature: f32,
+    /// Early exit: exit when the intermediate entropy (nats) is below this.
+    #[arg(long, default_value_t = 1.0)]
+    exit_entropy: f32,
+    /// Early exit: first layer count tested.
+    #[arg(long, default_value_t = 8)]
+    exit_min_layers: usize,
+    /// Early exit: test every K layers.
+    #[arg(long, default_value_t = 4)]
+    exit_check_every: usize,
     /// Seed of the sampler's random generator (same seed, same tokens).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+}
+
+fn load_second(path: &std::path::Path, model: &Llama) -> Result<Llama> {
+    let ckpt = Checkpoint::open(path)?;
+    let m = Llama::load(&ckpt, model.device(), None).with_context(|| format!("loading weights from {}", path.display()))?;
+    if m.config.vocab_size != model.config.vocab_size {
+        bail!("{} has vocabulary {}, the model has {}", path.display(), m.config.vocab_size, model.config.vocab_size);
+    }
+    Ok(m)
+}
+
+/// Streams tokens to stdout through the UTF-8 stream decoder and the stop-string matcher.
+struct Printer<'t> {
+    stream: deco_formats::tokenizer::StreamDecoder<'t>,
+    stops: StopStringMatcher,
+    eos: Vec<u32>,
+    ignore_eos: bool,
+    out: std::io::StdoutLock<'static>,
+    first_token_at: Option<Instant>,
+    error: Option<anyhow::Error>,
+}
+
+impl Printer<'_> {
+    /// Prints the tokens; true when a stop string matched.
+    fn push(&mut self, tokens: &[u32]) -> bool {
+        if self.first_token_at.is_none() {
+            self.first_token_at = Some(Instant::now());
+        }
+        let r = (|| -> Result<bool> {
+            for &t in tokens {
+                if !self.ignore_eos && self.eos.contains(&t) {
+                    return Ok(false);
+                }
+                let piece = self.stream.step(t)?;
+                let step = self.stops.push(&piece);
+                self.out.write_all(step.text.as_bytes())?;
+                self.out.flush()?;
+                if step.stop.is_some() {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        })();
+        match r {
+            Ok(stop) => stop,
+            Err(e) => {
+                self.error = Some(e);
+                true
+            }
+        }
+    }
+
+    fn finish(mut self) -> Result<()> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        if !self.stops.is_stopped() {
+            let rest = self.stream.flush()?;
+            let step = self.stops.push(&rest);
+            self.out.write_all(step.text.as_bytes())?;
+            let held = self.stops.flush();
+            self.out.write_all(held.as_bytes())?;
+        }
+        writeln!(self.out)?;
+        Ok(())
+    }
 }
 
 /// Runs the command.
@@ -63,17 +237,34 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
+    if args.n == 0 {
+        bail!("-n must be at least 1");
+    }
+    let strategy = args.strategy.unwrap_or(if args.temperature > 0.0 { Strategy::Sample } else { Strategy::Greedy });
+    let temperature = match strategy {
+        Strategy::Greedy => 0.0,
+        Strategy::Sample if args.temperature == 0.0 => 1.0,
+        _ => args.temperature,
+    };
     let params = SamplingParams {
-        do_sample: Some(args.temperature > 0.0),
-        temperature: Some(args.temperature),
+        do_sample: Some(temperature > 0.0),
+        temperature: Some(temperature),
         top_k: args.top_k,
         top_p: args.top_p,
+        min_p: args.min_p,
+        typical_p: args.typical_p,
+        repetition_penalty: args.repetition_penalty,
+        frequency_penalty: args.frequency_penalty,
+        presence_penalty: args.presence_penalty,
+        no_repeat_ngram_size: args.no_repeat_ngram_size,
+        min_new_tokens: args.min_new_tokens,
+        stop: if args.stop.is_empty() { None } else { Some(args.stop.clone()) },
         seed: Some(args.seed),
         max_new_tokens: Some(args.max_new_tokens),
+        logprobs: args.logprobs,
         ..Default::default()
     };
     params.validate()?;
-    let mut sampler = Sampler::new(&params)?;
 
     let (model, tok) = crate::runtime::load(&args.model)?;
     let text = if args.chat {
@@ -99,53 +290,164 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if prompt_ids.len() + 1 > model.max_context() {
         bail!("the prompt has {} tokens; the model's context is {}", prompt_ids.len(), model.max_context());
     }
-    let budget = args.max_new_tokens.min(model.max_context() - prompt_ids.len());
-    let eos: Vec<u32> = tok.eos_token_ids().to_vec();
+    let model_eos: Vec<u32> = tok.eos_token_ids().to_vec();
+    let eos: Vec<u32> = if args.ignore_eos { Vec::new() } else { model_eos.clone() };
 
-    let mut cache = DenseKvCache::new(model.config.num_hidden_layers);
-    let mut stream = tok.stream_decoder(true);
-    let mut out = std::io::stdout().lock();
-    let mut output: Vec<u32> = Vec::new();
+    let new_printer = || -> Result<Printer<'_>> {
+        Ok(Printer {
+            stream: tok.stream_decoder(true),
+            stops: StopStringMatcher::from_params(&params)?,
+            eos: model_eos.clone(),
+            ignore_eos: args.ignore_eos,
+            out: std::io::stdout().lock(),
+            first_token_at: None,
+            error: None,
+        })
+    };
 
     let t0 = Instant::now();
-    let mut logits = model
-        .forward(&[SeqInput { seq: 0, tokens: &prompt_ids }], &mut cache, LogitsWanted::Last)?
-        .logits_rows()?
-        .remove(0);
-    let prefill_s = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    for step in 0..budget {
-        let ctx = ProcessContext::new(&prompt_ids, &output, &eos);
-        let token = sampler.sample(&ctx, &mut logits)?.token;
-        output.push(token);
-        if !args.ignore_eos && eos.contains(&token) {
-            break;
+    let mut extra = String::new();
+    let (num_tokens, first_at) = match strategy {
+        Strategy::Beam => {
+            let beam = BeamSearchParams {
+                num_beams: args.num_beams,
+                length_penalty: args.length_penalty,
+                early_stopping: args.early_stopping.parse::<EarlyStopping>()?,
+                num_return_sequences: args.n,
+            };
+            let out = deco_generate::beam_search(&mut LlamaSession::new(&model), &prompt_ids, &params, &beam, &eos)?;
+            let mut total = 0;
+            for (i, h) in out.sequences.iter().enumerate() {
+                if out.sequences.len() > 1 {
+                    println!("--- beam {i} score={:.4} sum_logprobs={:.4}", h.score, h.sum_logprobs);
+                }
+                let mut p = new_printer()?;
+                p.push(&h.tokens);
+                p.finish()?;
+                total = total.max(h.tokens.len());
+            }
+            extra = format!(" forward_calls={}", out.forward_calls);
+            (total, None)
         }
-        let piece = stream.step(token)?;
-        if !piece.is_empty() {
-            out.write_all(piece.as_bytes())?;
-            out.flush()?;
+        Strategy::Greedy | Strategy::Sample => {
+            let mut total = 0;
+            let mut first = None;
+            for i in 0..args.n {
+                let p_i = SamplingParams { seed: Some(args.seed.wrapping_add(i as u64)), ..params.clone() };
+                if args.n > 1 {
+                    println!("--- sample {i}");
+                }
+                let mut p = new_printer()?;
+                let g = deco_generate::generate(&mut LlamaSession::new(&model), &prompt_ids, &p_i, &eos, &mut |t: &[u32]| p.push(t))?;
+                first = first.or(p.first_token_at);
+                p.finish()?;
+                if args.logprobs.is_some() {
+                    for s in &g.samples {
+                        eprintln!("{}", serde_json::to_string(s)?);
+                    }
+                }
+                total += g.tokens.len();
+            }
+            (total, first)
         }
-        if step + 1 == budget {
-            break;
+        Strategy::ContrastiveSearch => {
+            let p_cs = SamplingParams { top_k: Some(args.top_k.unwrap_or(4)), ..params.clone() };
+            let mut p = new_printer()?;
+            let g = deco_generate::contrastive_search(&mut LlamaSession::new(&model), &prompt_ids, &p_cs, args.penalty_alpha, &eos, &mut |t: &[u32]| p.push(t))?;
+            let first = p.first_token_at;
+            p.finish()?;
+            (g.tokens.len(), first)
         }
-        logits = model
-            .forward(&[SeqInput { seq: 0, tokens: &[token] }], &mut cache, LogitsWanted::Last)?
-            .logits_rows()?
-            .remove(0);
+        Strategy::Contrastive => {
+            let cd = ContrastiveDecodingParams { alpha: args.contrastive_alpha, amateur_temperature: args.amateur_temperature };
+            let second;
+            let mut amateur = match &args.amateur_model {
+                Some(path) => {
+                    second = load_second(path, &model)?;
+                    LlamaSession::new(&second)
+                }
+                None => LlamaSession::truncated(&model, args.amateur_layers)?,
+            };
+            let mut p = new_printer()?;
+            let g = deco_generate::contrastive_decoding(&mut LlamaSession::new(&model), &mut amateur, &prompt_ids, &params, &cd, &eos, &mut |t: &[u32]| p.push(t))?;
+            let first = p.first_token_at;
+            p.finish()?;
+            (g.tokens.len(), first)
+        }
+        Strategy::Speculative => {
+            let mut p = new_printer()?;
+            let mut target = LlamaSession::new(&model);
+            let gamma = args.num_speculative_tokens;
+            let second;
+            let out = if args.prompt_lookup {
+                deco_generate::speculative_generate(&mut target, &mut PromptLookupDrafter::default(), &prompt_ids, &params, gamma, &eos, &mut |t: &[u32]| p.push(t))?
+            } else {
+                let draft = match &args.draft_model {
+                    Some(path) => {
+                        second = load_second(path, &model)?;
+                        LlamaSession::new(&second)
+                    }
+                    None => LlamaSession::truncated(&model, args.draft_layers)?,
+                };
+                let mut drafter = ModelDrafter::new(draft, args.seed ^ 0x5eed_d4af)?;
+                deco_generate::speculative_generate(&mut target, &mut drafter, &prompt_ids, &params, gamma, &eos, &mut |t: &[u32]| p.push(t))?
+            };
+            let first = p.first_token_at;
+            p.finish()?;
+            let s = out.stats;
+            extra = format!(
+                " drafted={} accepted={} acceptance_rate={:.3} target_forwards={}",
+                s.drafted,
+                s.accepted,
+                s.acceptance_rate(),
+                s.target_forward_calls
+            );
+            (out.generation.tokens.len(), first)
+        }
+        Strategy::EarlyExit => {
+            let cfg = EarlyExitConfig { entropy_threshold: args.exit_entropy, min_layers: args.exit_min_layers, check_every: args.exit_check_every };
+            let mut sampler = deco_decoding::Sampler::new(&params)?;
+            let stopping = deco_decoding::StoppingCriteria::from_params(&params, &eos)?;
+            let mut cache = DenseKvCache::new(model.num_layers());
+            let mut p = new_printer()?;
+            let mut logits = model.forward(&[SeqInput { seq: 0, tokens: &prompt_ids }], &mut cache, LogitsWanted::Last)?.logits_rows()?.remove(0);
+            let mut output: Vec<u32> = Vec::new();
+            let mut stats = EarlyExitStats::default();
+            let budget = args.max_new_tokens.min(model.max_context() - prompt_ids.len());
+            loop {
+                let ctx = deco_decoding::ProcessContext::new(&prompt_ids, &output, &eos);
+                let token = sampler.sample(&ctx, &mut logits)?.token;
+                output.push(token);
+                let user_stop = p.push(&[token]);
+                if stopping.check(token, output.len()).is_some() || user_stop || output.len() >= budget {
+                    break;
+                }
+                let step = model.forward_early_exit(0, token, &mut cache, &cfg)?;
+                stats.record(&step, model.num_layers());
+                logits = step.logits;
+            }
+            let first = p.first_token_at;
+            p.finish()?;
+            extra = format!(" layers_skipped={:.3}", stats.skipped_fraction());
+            (output.len(), first)
+        }
+    };
+    let total_s = t0.elapsed().as_secs_f64();
+    // Prefill time = time to the first streamed token (for beam search, which streams nothing
+    // until the end, the whole run: both rates then use the total time).
+    let prefill_s = first_at.map_or(total_s, |t| t.duration_since(t0).as_secs_f64());
+    let decode_s = first_at.map_or(total_s, |t| t.elapsed().as_secs_f64());
+    let decode_steps = if first_at.is_some() { num_tokens.saturating_sub(1) } else { num_tokens };
+    if !extra.is_empty() {
+        eprintln!("[strategy] {strategy:?}{extra}");
     }
-    let decode_s = t1.elapsed().as_secs_f64();
-    let rest = stream.flush()?;
-    writeln!(out, "{rest}")?;
-    drop(out);
-    // Decode speed counts the forward passes after the prefill: one per generated token but the last.
-    let decode_steps = output.len().saturating_sub(1);
     eprintln!(
         "[stats] prompt_tokens={} prompt_tok_s={:.2} decode_tokens={} decode_tok_s={:.2}",
         prompt_ids.len(),
         prompt_ids.len() as f64 / prefill_s,
-        output.len(),
+        num_tokens,
         if decode_steps > 0 { decode_steps as f64 / decode_s } else { 0.0 },
     );
     Ok(())
 }
+

@@ -121,7 +121,7 @@ impl Llama {
         for li in 0..n {
             x = self.layer_forward(li, x, &batch, &inputs, cache)?;
             let done = li + 1;
-            if done < n && done >= cfg.min_layers && (done - cfg.min_layers) % cfg.check_every == 0 {
+            if done < n && done >= cfg.min_layers && (done - cfg.min_layers).is_multiple_of(cfg.check_every) {
                 let logits = row(self.head(x.clone(), &batch, LogitsWanted::Last).logits)?;
                 let h = entropy(&logits);
                 if h < cfg.entropy_threshold {
