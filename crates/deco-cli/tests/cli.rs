@@ -167,7 +167,8 @@ fn shape_mismatch_is_a_clear_error() {
     let dir = tempfile::tempdir().expect("tempdir");
     let p = write(dir.path(), "shape.gguf", &bytes);
     let o = deco(&["generate", "--model", p.to_str().expect("path"), "--prompt", "hi"]);
-    assert_clean_error(&o, &["shape.gguf", "mlp.down_proj.weight", "has shape [576, 1536], expected [576, 1024]"]);
+    // Whichever FFN weight is read first is the one reported; all of them involve 1536 vs 1024.
+    assert_clean_error(&o, &["shape.gguf", ".mlp.", "has shape", "1536", "expected", "1024"]);
 }
 
 #[test]
