@@ -5,9 +5,15 @@
 //! Fused CubeCL and CPU-SIMD implementations will replace individual functions behind the same
 //! signatures, checked against these compositions as the reference.
 //!
+//! [`quant`] holds CPU matmul kernels on packed GGUF blocks (Q4_0, Q4_1, Q8_0), used by the
+//! model for quantized checkpoints without an f32 copy of the weights.
+//!
 //! [`device`] turns a user-facing name (`flex`, `wgpu`, `cuda`) into a burn [`burn::tensor::Device`].
 
 pub mod device;
+pub mod error;
 pub mod ops;
+pub mod quant;
 
 pub use device::{DeviceError, select_device};
+pub use error::{Error, Result};

@@ -67,6 +67,7 @@ impl ForwardOutput {
 }
 
 /// A linear layer's weight: `y = x · Wᵀ` for `x` `[tokens, in]`.
+#[allow(clippy::large_enum_variant)] // a few hundred per model; boxing buys nothing
 #[derive(Debug, Clone)]
 enum Linear {
     /// f32 on the device, transposed: `[in, out]` (`y = x @ w`).
@@ -84,7 +85,7 @@ impl Linear {
             Linear::Packed(m) => {
                 let [n, _] = x.dims();
                 let device = x.device();
-                let xs = x.into_data().into_vec::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))?;
+                let xs = x.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))?;
                 let mut y = vec![0.0f32; n * m.rows()];
                 m.matmul(&xs, n, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
@@ -94,6 +95,7 @@ impl Linear {
 }
 
 /// Token embeddings: dense on the device, or packed rows dequantized on lookup.
+#[allow(clippy::large_enum_variant)] // one per model
 #[derive(Debug, Clone)]
 enum Embedding {
     /// `[vocab, hidden]` f32.
@@ -270,7 +272,7 @@ impl Llama {
 
     fn build(
         config: &ModelConfig,
-        tensor: &dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)>,
+        tensor: &TensorSource<'_>,
         packed: Option<PackedSource<'_>>,
         device: &Device,
         max_positions: Option<usize>,

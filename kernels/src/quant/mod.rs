@@ -1,0 +1,446 @@
+//! Matrix multiplication on GGUF block-quantized weights kept packed in memory (CPU).
+//!
+//! A [`PackedMatrix`] holds a weight `W` of shape `[rows, cols]` = `[out_features, in_features]`
+//! (transformers' `nn.Linear` layout) as the GGUF / ggml blocks it was stored in: each row is
+//! `cols / 32` consecutive blocks of 32 weights (`block_q4_0`, `block_q4_1`, `block_q8_0` of
+//! llama.cpp's `ggml-common.h`), so a 135M-parameter Q4_1 model needs 0.625 bytes per weight
+//! instead of 4. [`PackedMatrix::matmul`] computes `y[n, rows] = x[n, cols] · Wᵀ`.
+//!
+//! # Accuracy choice: f32 activations
+//! The activations stay in f32 and each block is dequantized in registers and multiplied with
+//! them: `Σ_b d_b · Σ_i q_{b,i} x_{b,i} (+ m_b · Σ_i x_{b,i})`, with f32 accumulation. This is the
+//! product of the *dequantized* weights (exactly the weights the float64 golden reference uses)
+//! with the f32 activations, up to f32 rounding of the sums (relative error ~1e-6 of `Σ|w x|`).
+//! llama.cpp instead quantizes the activations to 8-bit blocks (`quantize_row_q8_1`) and uses
+//! integer dot products (`ggml_vec_dot_q4_1_q8_1`); that adds a relative error of ~1/254 per
+//! activation block, which would break deco's 2e-3 logit bound against the reference, so it is
+//! not the default here.
+//!
+//! # Kernels
+//! - `n < GEMM_MIN_TOKENS` (decode, small batches): a fused dequantize-dot per (token, row), SIMD
+//!   with AVX2 + FMA + F16C when the CPU has them (runtime detection with
+//!   `is_x86_feature_detected!`), a portable scalar loop otherwise. Memory-bound: each packed row
+//!   is read once per call and stays in L1 across the tokens.
+//! - `n ≥ GEMM_MIN_TOKENS` (prefill): tiles of `GEMM_TILE_ROWS` rows are dequantized to f32 into a
+//!   per-task buffer and multiplied with the `gemm` crate (the same f32 micro-kernels burn-flex
+//!   uses), so the dequantization is amortized over the tokens.
+//!
+//! Both are multithreaded over output rows with rayon and run in the *current* rayon pool (the
+//! global one that `deco --threads N` configures, or the one a caller `install`s).
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+/// Elements per block of every supported type (`QK4_0 = QK4_1 = QK8_0 = 32` in ggml).
+pub const BLOCK: usize = 32;
+
+/// Weight rows per dequantized tile of the GEMM path.
+pub const GEMM_TILE_ROWS: usize = 64;
+
+/// A GGUF block type that the packed kernels understand.
+///
+/// Block layouts (little-endian, from ggml-common.h), for 32 weights each:
+/// - `Q4_0`: `d: f16`, `qs: [u8; 16]`; weight `j` is `d · ((qs[j] & 15) − 8)`, weight `j + 16` is
+///   `d · ((qs[j] >> 4) − 8)`. 18 bytes.
+/// - `Q4_1`: `d: f16`, `m: f16`, `qs: [u8; 16]`; weights `d · q + m` with the same nibble order.
+///   20 bytes.
+/// - `Q8_0`: `d: f16`, `qs: [i8; 32]`; weight `i` is `d · qs[i]`. 34 bytes.
+#[allow(non_camel_case_types)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockType {
+    /// `block_q4_0`.
+    Q4_0,
+    /// `block_q4_1`.
+    Q4_1,
+    /// `block_q8_0`.
+    Q8_0,
+}
+
+impl BlockType {
+    /// Bytes per block of 32 weights.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q8_0 => 34,
+        }
+    }
+}
+
+/// The instruction set a kernel call uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Portable Rust loops (any CPU).
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C intrinsics.
+    Avx2,
+}
+
+impl Isa {
+    /// The best instruction set this CPU supports, detected once. Setting the environment
+    /// variable `DECO_KERNELS=scalar` forces [`Isa::Scalar`] (for benchmarks and debugging).
+    pub fn detect() -> Isa {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(|| {
+            if std::env::var("DECO_KERNELS").is_ok_and(|v| v == "scalar") {
+                return Isa::Scalar;
+            }
+            if Isa::Avx2.is_available() { Isa::Avx2 } else { Isa::Scalar }
+        })
+    }
+
+    /// Whether this CPU can run kernels of this instruction set.
+    pub fn is_available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            Isa::Avx2 => {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                {
+                    false
+                }
+            }
+        }
+    }
+}
+
+/// A `[rows, cols]` weight matrix stored as packed GGUF blocks, row-major (row `r` is the
+/// `cols / 32` blocks at bytes `r · row_bytes .. (r + 1) · row_bytes`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct PackedMatrix {
+    ty: BlockType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl std::fmt::Debug for PackedMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedMatrix")
+            .field("ty", &self.ty)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("bytes", &self.data.len())
+            .finish()
+    }
+}
+
+#[inline]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+/// A raw pointer that rayon tasks may share to write disjoint elements.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of elements (distinct output columns / rows).
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+impl PackedMatrix {
+    /// Wraps packed blocks. `data` must hold exactly `rows · cols / 32` blocks of `ty`.
+    ///
+    /// # Errors
+    /// [`Error::RaggedRow`] if `cols` is not a multiple of 32, [`Error::Length`] for a wrong
+    /// byte count.
+    pub fn new(ty: BlockType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self> {
+        if !cols.is_multiple_of(BLOCK) {
+            return Err(Error::RaggedRow { ty, cols, block: BLOCK });
+        }
+        let expected = rows
+            .checked_mul(cols / BLOCK)
+            .and_then(|b| b.checked_mul(ty.block_bytes()))
+            .ok_or(Error::Length { what: "packed matrix bytes", expected: usize::MAX, actual: data.len() })?;
+        if data.len() != expected {
+            return Err(Error::Length { what: "packed matrix bytes", expected, actual: data.len() });
+        }
+        Ok(Self { ty, rows, cols, data })
+    }
+
+    /// Block type.
+    pub fn ty(&self) -> BlockType {
+        self.ty
+    }
+
+    /// Number of rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Row length (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The packed bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.cols / BLOCK * self.ty.block_bytes()
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+
+    /// A new matrix whose row `i` is row `perm[i]` of this one (e.g. undoing llama.cpp's Q/K
+    /// row permutation without dequantizing).
+    ///
+    /// # Errors
+    /// [`Error::Length`] if an index is out of range.
+    pub fn permute_rows(&self, perm: &[usize]) -> Result<Self> {
+        let rb = self.row_bytes();
+        let mut data = Vec::with_capacity(perm.len() * rb);
+        for &p in perm {
+            if p >= self.rows {
+                return Err(Error::Length { what: "row index", expected: self.rows, actual: p });
+            }
+            data.extend_from_slice(self.row(p));
+        }
+        Ok(Self { ty: self.ty, rows: perm.len(), cols: self.cols, data })
+    }
+
+    /// Stacks matrices of the same type and row length along the rows (fusing Q/K/V or gate/up
+    /// projections into one matmul).
+    ///
+    /// # Errors
+    /// [`Error::Incompatible`] for an empty list or different types / row lengths.
+    pub fn concat_rows(parts: &[&PackedMatrix]) -> Result<Self> {
+        let first = parts.first().ok_or_else(|| Error::Incompatible("no matrices to concatenate".into()))?;
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        let mut rows = 0;
+        for p in parts {
+            if p.ty != first.ty || p.cols != first.cols {
+                return Err(Error::Incompatible(format!(
+                    "{:?} [{}, {}] vs {:?} [{}, {}]",
+                    first.ty, first.rows, first.cols, p.ty, p.rows, p.cols
+                )));
+            }
+            data.extend_from_slice(&p.data);
+            rows += p.rows;
+        }
+        Ok(Self { ty: first.ty, rows, cols: first.cols, data })
+    }
+
+    /// Dequantizes rows `start .. start + out.len() / cols` into `out` (row-major f32), with
+    /// ggml's arithmetic (`dequantize_row_*` of ggml-quants.c).
+    ///
+    /// # Errors
+    /// [`Error::Length`] if `out` is not a whole number of rows or runs past the last row.
+    pub fn dequantize_rows(&self, start: usize, out: &mut [f32]) -> Result<()> {
+        if !out.len().is_multiple_of(self.cols.max(1)) || start + out.len() / self.cols.max(1) > self.rows {
+            return Err(Error::Length { what: "dequantized rows", expected: (self.rows - start.min(self.rows)) * self.cols, actual: out.len() });
+        }
+        for (i, o) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
+            scalar::dequant_row(self.ty, self.row(start + i), o);
+        }
+        Ok(())
+    }
+
+    /// The whole matrix as row-major f32 `[rows, cols]`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        if self.cols > 0 {
+            out.par_chunks_mut(self.cols).enumerate().for_each(|(r, o)| scalar::dequant_row(self.ty, self.row(r), o));
+        }
+        out
+    }
+
+    /// `y[n, rows] = x[n, cols] · Wᵀ` (row-major f32), with the best detected [`Isa`].
+    ///
+    /// # Errors
+    /// [`Error::Length`] if `x.len() != n · cols` or `y.len() != n · rows`.
+    pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
+        self.matmul_with(x, n, y, Isa::detect())
+    }
+
+    /// [`PackedMatrix::matmul`] with an explicit instruction set (falls back to
+    /// [`Isa::Scalar`] if `isa` is not available on this CPU).
+    ///
+    /// # Errors
+    /// As [`PackedMatrix::matmul`].
+    pub fn matmul_with(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) -> Result<()> {
+        if x.len() != n * self.cols {
+            return Err(Error::Length { what: "x", expected: n * self.cols, actual: x.len() });
+        }
+        if y.len() != n * self.rows {
+            return Err(Error::Length { what: "y", expected: n * self.rows, actual: y.len() });
+        }
+        let isa = if isa.is_available() { isa } else { Isa::Scalar };
+        if n == 0 || self.rows == 0 {
+            return Ok(());
+        }
+        if self.cols == 0 {
+            y.fill(0.0);
+            return Ok(());
+        }
+        self.matmul_fused(x, n, y, isa);
+        Ok(())
+    }
+
+    /// `y[n, rows] = x[n, cols] · Wᵀ` by dequantizing tiles of `GEMM_TILE_ROWS` rows to f32
+    /// and multiplying them with the `gemm` crate's f32 kernels.
+    ///
+    /// Faster than [`PackedMatrix::matmul`] for long prompts on some CPUs, but its results
+    /// depend on the summation order of `gemm`, so they differ (by f32 rounding) from the
+    /// one-token results; [`PackedMatrix::matmul`] is batch-invariant and is what the model uses.
+    ///
+    /// # Errors
+    /// As [`PackedMatrix::matmul`].
+    pub fn matmul_dequant_gemm(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
+        if x.len() != n * self.cols {
+            return Err(Error::Length { what: "x", expected: n * self.cols, actual: x.len() });
+        }
+        if y.len() != n * self.rows {
+            return Err(Error::Length { what: "y", expected: n * self.rows, actual: y.len() });
+        }
+        if n == 0 || self.rows == 0 {
+            return Ok(());
+        }
+        if self.cols == 0 {
+            y.fill(0.0);
+            return Ok(());
+        }
+        self.matmul_gemm(x, n, y, Isa::detect());
+        Ok(())
+    }
+
+    /// Row chunk per rayon task: enough tasks to balance the pool, but each at least a few
+    /// tens of microseconds of work.
+    fn chunk_rows(&self, per_row_cost: usize) -> usize {
+        let threads = rayon::current_num_threads().max(1);
+        let by_balance = self.rows.div_ceil(4 * threads);
+        let min_rows = (16_384 / per_row_cost.max(1)).max(1);
+        by_balance.max(min_rows).max(1)
+    }
+
+    fn matmul_fused(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
+        let cols = self.cols;
+        let nb = cols / BLOCK;
+        // Per-block sums of x (the `m · Σx` term of Q4_1).
+        let xsum: Vec<f32> = if self.ty == BlockType::Q4_1 {
+            x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect()
+        } else {
+            Vec::new()
+        };
+        let rows = self.rows;
+        let chunk = self.chunk_rows(cols * n);
+        let yp = SyncPtr(y.as_mut_ptr());
+        let ty = self.ty;
+        // Tokens per pass over a row chunk: their activations stay in L2 while the chunk's rows
+        // go by.
+        const TOKEN_TILE: usize = 64;
+        (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            let rows_here = ci * chunk..((ci + 1) * chunk).min(rows);
+            for t0 in (0..n).step_by(TOKEN_TILE) {
+                let t1 = (t0 + TOKEN_TILE).min(n);
+                for r in rows_here.clone() {
+                    let row = self.row(r);
+                    let mut t = t0;
+                    while t < t1 {
+                        let take = if t1 - t >= 4 { 4 } else { 1 };
+                        let mut out = [0.0f32; 4];
+                        match isa {
+                            #[cfg(target_arch = "x86_64")]
+                            Isa::Avx2 => {
+                                let xp = x[t * cols..].as_ptr();
+                                let xs = if xsum.is_empty() { std::ptr::null() } else { xsum[t * nb..].as_ptr() };
+                                // SAFETY: AVX2/FMA/F16C were detected (`isa` is available); `row`
+                                // holds `nb` blocks; tokens t .. t + take exist in x and xsum.
+                                unsafe {
+                                    if take == 4 {
+                                        out = x86::dot_multi::<4>(ty, row, nb, xp, cols, xs);
+                                    } else {
+                                        out[0] = x86::dot_multi::<1>(ty, row, nb, xp, cols, xs)[0];
+                                    }
+                                }
+                            }
+                            _ => {
+                                for (k, o) in out.iter_mut().enumerate().take(take) {
+                                    let tt = t + k;
+                                    let xs = if xsum.is_empty() { &[][..] } else { &xsum[tt * nb..(tt + 1) * nb] };
+                                    *o = scalar::dot(ty, row, &x[tt * cols..(tt + 1) * cols], xs);
+                                }
+                            }
+                        }
+                        for (k, o) in out.iter().enumerate().take(take) {
+                            // SAFETY: (t + k, r) is inside y and row r belongs to this task only.
+                            unsafe { *yp.get().add((t + k) * rows + r) = *o };
+                        }
+                        t += take;
+                    }
+                }
+            }
+        });
+    }
+
+    fn matmul_gemm(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
+        let cols = self.cols;
+        let rows = self.rows;
+        let tile = GEMM_TILE_ROWS;
+        let yp = SyncPtr(y.as_mut_ptr());
+        (0..rows.div_ceil(tile)).into_par_iter().for_each_init(
+            || vec![0.0f32; tile * cols],
+            |buf, ti| {
+                    let r0 = ti * tile;
+                let tr = tile.min(rows - r0);
+                for i in 0..tr {
+                    let o = &mut buf[i * cols..(i + 1) * cols];
+                    match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: AVX2/FMA/F16C checked; row and o have matching sizes.
+                        Isa::Avx2 => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
+                        _ => scalar::dequant_row(self.ty, self.row(r0 + i), o),
+                    }
+                }
+                // dst[n, tr] (row stride `rows`) = x[n, cols] · buf[tr, cols]ᵀ.
+                // SAFETY: pointers and strides describe in-bounds views of x, buf and y; this
+                // task writes only columns r0 .. r0 + tr of y.
+                unsafe {
+                    gemm::gemm(
+                        n,
+                        tr,
+                        cols,
+                        yp.get().add(r0),
+                        1,
+                        rows as isize,
+                        false,
+                        x.as_ptr(),
+                        1,
+                        cols as isize,
+                        buf.as_ptr(),
+                        cols as isize,
+                        1,
+                        0.0f32,
+                        1.0f32,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            },
+        );
+    }
+}
