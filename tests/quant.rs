@@ -3,6 +3,8 @@
 //! one column at a time), and every method against RTN on a layer with planted outlier input
 //! channels.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use deco_quant::awq::{act_mean_abs, apply_clip, scaled_fake_quant, search_clip, search_scale};
 use deco_quant::gptq::{GptqConfig, Hessian, gptq_quantize};
 use deco_quant::nf4::{NF4_CODE, Nf4Tensor, dynamic_map};
@@ -105,7 +107,10 @@ proptest! {
         // double-quantization error (checked separately below).
         for (b, chunk) in w.chunks(64).enumerate() {
             let exact = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            prop_assert!((am[b] - exact).abs() <= 0.02 * exact + 1e-6, "absmax {} vs {}", am[b], exact);
+            // Double quantization: 8-bit dynamic-map code of (absmax - offset) / s, whose largest
+            // half-gap is (1 - 0.99297) / 2 ≈ 0.0036 of the per-256 scale s (bound with margin).
+            let s = t.absmax_scales[b / 256];
+            prop_assert!((am[b] - exact).abs() <= 0.0071 * s + 1e-7 * exact, "absmax {} vs {}", am[b], exact);
             for (i, &v) in chunk.iter().enumerate() {
                 let e = (d[b * 64 + i] - v).abs();
                 prop_assert!(e <= 0.1520 * am[b] + (am[b] - exact).abs() + 1e-6);

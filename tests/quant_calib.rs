@@ -2,6 +2,8 @@
 //! (ignored, long) quantization table of `docs/quantization.md`:
 //! `cargo test --release -p deco-tests --test quant_calib -- --ignored --nocapture`.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::sync::OnceLock;
 use std::time::Instant;
 

@@ -103,6 +103,10 @@ impl Linear {
     }
 }
 
+/// A source of f32 tensors: transformers name → (shape, row-major data), as
+/// [`crate::Llama::load_from`] takes.
+pub type TensorSource<'a> = dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)> + 'a;
+
 /// One decoder layer's weights on the host, transformers layout (`[out, in]` row-major).
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
@@ -124,7 +128,7 @@ impl LayerWeights {
     pub fn fetch(
         cfg: &ModelConfig,
         li: usize,
-        tensor: &dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)>,
+        tensor: &TensorSource<'_>,
     ) -> Result<Self> {
         let p = format!("model.layers.{li}");
         let get = |name: String, len: usize| -> Result<Vec<f32>> {

@@ -111,6 +111,7 @@ pub fn search_scale(
 ///
 /// # Errors
 /// Invalid scheme or shapes.
+#[allow(clippy::too_many_arguments)] // llm-awq's `auto_clip_layer` parameters, one to one
 pub fn search_clip(
     w: &[f32],
     rows: usize,

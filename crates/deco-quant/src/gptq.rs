@@ -136,7 +136,7 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     }
     let gs = match cfg.group_size {
         Some(0) => return Err(invalid("group_size", "must be positive")),
-        Some(g) if cols % g != 0 => {
+        Some(g) if !cols.is_multiple_of(g) => {
             return Err(invalid("group_size", format!("{g} does not divide the input dimension {cols}")));
         }
         Some(g) => g,

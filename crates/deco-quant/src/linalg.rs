@@ -84,6 +84,7 @@ pub fn inverse_upper_cholesky(a: &[f64], n: usize) -> Result<Vec<f64>> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -31,13 +31,13 @@ pub const NF4_CODE: [f32; 16] = [
 /// bitsandbytes `create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8)`, sorted.
 pub fn dynamic_map() -> Vec<f32> {
     let mut data: Vec<f64> = Vec::with_capacity(256);
-    let max_exp = 7;
+    let max_exp: i32 = 7;
     for i in 0..max_exp {
         let items = (1usize << i) + 1;
         let bounds: Vec<f64> = (0..items).map(|k| 0.1 + 0.9 * k as f64 / (items - 1) as f64).collect();
         for k in 0..items - 1 {
             let mean = (bounds[k] + bounds[k + 1]) / 2.0;
-            let v = 10f64.powi(-(max_exp as i32 - 1) + i as i32) * mean;
+            let v = 10f64.powi(-(max_exp - 1) + i) * mean;
             data.push(v);
             data.push(-v);
         }

@@ -53,7 +53,7 @@ impl Scheme {
             if g == 0 {
                 return Err(invalid("group_size", "must be positive"));
             }
-            if cols % g != 0 {
+            if !cols.is_multiple_of(g) {
                 return Err(invalid("group_size", format!("{g} does not divide the input dimension {cols}")));
             }
         }
