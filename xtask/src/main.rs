@@ -212,7 +212,12 @@ fn test(cache: &CacheArgs, tier: Tier, test_args: &[String]) -> Result<()> {
         no_mirror: cache.no_mirror,
         what: vec![What::All],
     })?;
-    let _ = summary;
+    if !summary.missing.is_empty() {
+        eprintln!(
+            "note: running the tests without {} mirror-only file(s) (see docs/data.md)",
+            summary.missing.len()
+        );
+    }
     let with_env = |c: &mut std::process::Command| {
         c.env("DECO_CACHE", &dir);
         // Tests that only know the mirror variable get the cache: same layout, verified files.
