@@ -1,5 +1,5 @@
 //! `deco convert` semantics: a GGUF exported to a Hugging Face directory loads back with the same
-//! configuration, tokenizer and logits.
+//! configuration, tokenizer, tensors and (up to summation order) logits.
 
 use burn::tensor::Device;
 use deco_formats::checkpoint::{Checkpoint, hf_tensor_names};
@@ -46,10 +46,15 @@ fn converted_directory_gives_the_same_logits_as_the_gguf() {
     assert_eq!(hf_tok.chat_template(), tok.chat_template());
     assert_eq!(hf_tok.eos_token_ids(), tok.eos_token_ids());
 
+    // The GGUF keeps its Q4_1/Q8_0 weights packed (deco_kernels::quant) while the directory runs
+    // the dense f32 path on the same values: equal up to summation order.
     let dev = Device::flex();
     let a = Llama::load(&gguf, &dev, Some(256)).expect("load gguf");
     let b = Llama::load(&hf, &dev, Some(256)).expect("load hf");
-    assert_eq!(logits(&a, &ids), logits(&b, &ids));
+    let (la, lb) = (logits(&a, &ids), logits(&b, &ids));
+    let err = la.iter().zip(&lb).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    eprintln!("max |logit(gguf) - logit(converted)| = {err:.2e}");
+    assert!(err <= 1e-3, "converted model's logits differ by {err}");
 }
 
 #[test]
