@@ -133,24 +133,16 @@ pub fn hf_expected_shape(cfg: &ModelConfig, hf: &str) -> Option<Vec<usize>> {
 /// llama.cpp (`LlamaModel.permute`): `w.reshape(n_head, 2, d/2, cols).swapaxes(1, 2)`, i.e. GGUF
 /// row `h*d + 2j + i` holds HF row `h*d + i*d/2 + j`.
 pub fn unpermute_qk(data: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
-    let rows = data.len() / cols;
-    let d = rows / n_head;
-    let half = d / 2;
-    let mut out = vec![0.0f32; data.len()];
-    for h in 0..n_head {
-        for j in 0..half {
-            for i in 0..2 {
-                let src = h * d + 2 * j + i;
-                let dst = h * d + i * half + j;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
+    permute_rows_qk(data, n_head, cols, true)
 }
 
 /// The inverse of [`unpermute_qk`] (HF layout to GGUF layout), used when writing GGUF files.
 pub fn permute_qk(data: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
+    permute_rows_qk(data, n_head, cols, false)
+}
+
+/// Moves whole rows between the GGUF order (`h*d + 2j + i`) and the HF order (`h*d + i*d/2 + j`).
+fn permute_rows_qk(data: &[f32], n_head: usize, cols: usize, to_hf: bool) -> Vec<f32> {
     let rows = data.len() / cols;
     let d = rows / n_head;
     let half = d / 2;
@@ -158,9 +150,10 @@ pub fn permute_qk(data: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
     for h in 0..n_head {
         for j in 0..half {
             for i in 0..2 {
-                let gg = h * d + 2 * j + i;
-                let hf = h * d + i * half + j;
-                out[gg * cols..(gg + 1) * cols].copy_from_slice(&data[hf * cols..(hf + 1) * cols]);
+                let gguf_row = h * d + 2 * j + i;
+                let hf_row = h * d + i * half + j;
+                let (src, dst) = if to_hf { (gguf_row, hf_row) } else { (hf_row, gguf_row) };
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
@@ -331,5 +324,20 @@ impl Checkpoint {
             return Err(Error::ShapeMismatch { path: self.path.clone(), name: hf_name.to_string(), found: shape, expected });
         }
         Ok((shape, data))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qk_permutation_matches_llama_cpp_reshape_and_inverts() {
+        // 2 heads of d = 4, 1 column: HF rows [h0: a0 a1 b0 b1 | h1: ...] where a = first half.
+        let hf: Vec<f32> = (0..8).map(|x| x as f32).collect();
+        // llama.cpp: reshape(2, 2, 2, 1).swapaxes(1, 2): per head [x0, x2, x1, x3].
+        let gguf = permute_qk(&hf, 2, 1);
+        assert_eq!(gguf, vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]);
+        assert_eq!(unpermute_qk(&gguf, 2, 1), hf);
     }
 }
