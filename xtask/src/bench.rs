@@ -205,11 +205,11 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     let table = render_table(o, &llama_runs, &deco_runs);
     println!("{table}");
     println!(
-        "load average before: {}   after: {}",
+        "load average before: {}   after (includes the benchmark itself): {}",
         loadavg.trim(),
         loadavg_after.trim()
     );
-    warn_if_busy(&loadavg_after);
+    warn_if_busy(&loadavg);
     let result = json!({
         "threads": o.threads,
         "repeats": o.repeats,

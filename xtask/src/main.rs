@@ -21,7 +21,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use fetch::What;
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "Developer tasks for deco")]
+#[command(
+    name = "xtask",
+    bin_name = "cargo xtask",
+    about = "Developer tasks for deco"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
