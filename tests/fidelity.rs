@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use burn::tensor::Device;
 use deco_formats::checkpoint::Checkpoint;
 use deco_model::{DenseKvCache, KvCache, Llama, LogitsWanted, SeqInput};
-use deco_tests::{asset, smollm2_gguf};
+use deco_tests::{argmax, asset, max_abs_diff, smollm2_gguf};
 
 /// Max-abs logit error allowed against the float64 reference (issue: 2e-3).
 const LOGIT_TOL: f32 = 2e-3;
@@ -52,21 +52,6 @@ fn model() -> &'static Llama {
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("id list").iter().map(|x| x.as_u64().expect("id") as u32).collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[test]

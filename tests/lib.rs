@@ -37,3 +37,23 @@ pub fn asset(rel: &str) -> PathBuf {
 pub fn smollm2_gguf() -> PathBuf {
     asset("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
+
+/// Largest element-wise absolute difference of two equally long slices.
+///
+/// # Panics
+/// When the lengths differ.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "comparing slices of different lengths");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Index of the largest value, the lowest index on ties (greedy decoding's rule).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

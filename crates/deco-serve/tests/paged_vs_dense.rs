@@ -6,21 +6,7 @@ use burn::tensor::Device;
 use deco_formats::checkpoint::Checkpoint;
 use deco_model::{DenseKvCache, KvCache, Llama, LogitsWanted, SeqInput};
 use deco_serve::{CacheShape, PagedKvCache};
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+use deco_tests::{argmax, max_abs_diff};
 
 /// Logits of the last token after feeding `tokens` one forward at a time through a dense cache
 /// (prompt at once, then each later token alone): the reference path of `deco generate`.
@@ -86,7 +72,7 @@ fn paged_logits_equal_dense_logits() {
     for i in 0..3 {
         let dense = dense_last_logits(&model, prompts[i], &generated[i]);
         for (step, (p, d)) in paged_rows[i].iter().zip(&dense).enumerate() {
-            let diff = max_diff(p, d);
+            let diff = max_abs_diff(p, d);
             assert!(diff < 1e-4, "sequence {i} step {step}: paged vs dense max |diff| {diff}");
         }
     }
@@ -109,8 +95,8 @@ fn paged_logits_equal_dense_logits() {
     hist_b.push(tb);
     let da = dense_last_logits(&model, prompts[0], &hist_a);
     let db = dense_last_logits(&model, prompts[0], &hist_b);
-    assert!(max_diff(&rows[0], da.last().expect("row")) < 1e-4, "fork parent differs from dense");
-    assert!(max_diff(&rows[1], db.last().expect("row")) < 1e-4, "fork child differs from dense");
+    assert!(max_abs_diff(&rows[0], da.last().expect("row")) < 1e-4, "fork parent differs from dense");
+    assert!(max_abs_diff(&rows[1], db.last().expect("row")) < 1e-4, "fork child differs from dense");
 
     // Prefix cache: a new sequence with seq 1's prompt reuses its full blocks (14 tokens: 3
     // blocks of 4, the last token is always computed).
@@ -123,7 +109,7 @@ fn paged_logits_equal_dense_logits() {
         .logits_rows()
         .expect("rows");
     let dense = dense_last_logits(&model, prompts[1], &[]);
-    let diff = max_diff(&rows[0], &dense[0]);
+    let diff = max_abs_diff(&rows[0], &dense[0]);
     assert!(diff < 1e-4, "prefix-cached logits differ from dense by {diff}");
 
     paged.check_consistency().expect("consistent");
