@@ -5,13 +5,17 @@
 //!
 //! - `maxq = 2^bits - 1`; over a group of values `xmin = min(min x, 0)`, `xmax = max(max x, 0)`
 //!   (the range always contains zero);
-//! - symmetric (`sym`): `xmax = max(|xmin|, xmax)`, `xmin = -xmax`, `zero = (maxq + 1) / 2`;
+//! - symmetric (`sym`): `xmax = max(|xmin|, xmax)`, `xmin = -xmax` *only when some value is
+//!   negative* (AutoGPTQ's `xmin[tmp] = -xmax[tmp]` with `tmp = xmin < 0`), `zero = (maxq + 1) / 2`.
+//!   As in AutoGPTQ, a symmetric group with no negative value therefore gets `scale = xmax / maxq`
+//!   around the mid-point zero, and its values above `scale * (maxq - zero)` clip to that level;
 //! - asymmetric: `zero = round(-xmin / scale)`;
 //! - `scale = (xmax - xmin) / maxq` (a group of zeros gets `xmin = -1, xmax = 1`);
 //! - code `q = clamp(round(x / scale) + zero, 0, maxq)`, value `scale * (q - zero)`.
 //!
-//! Rounding is half to even (`torch.round`). Every value inside the group's range is reproduced
-//! within half a step (`scale / 2`), and in asymmetric mode 0.0 is the exact code `zero`.
+//! Rounding is half to even (`torch.round`). Every value inside the representable range
+//! `[scale * -zero, scale * (maxq - zero)]` is reproduced within half a step (`scale / 2`), values
+//! outside it map to the nearest end, and in asymmetric mode 0.0 is the exact code `zero`.
 
 use crate::{Result, invalid};
 
