@@ -16,7 +16,6 @@
 //! reported by [`EarlyExitStats`] is the compute a K/V-only projection path would save, not a
 //! wall-clock saving of this implementation.
 
-use burn::tensor::Tensor;
 
 use crate::kv_cache::{KvCache, SeqId};
 use crate::llama::{Llama, LogitsWanted, SeqInput};
@@ -95,9 +94,7 @@ pub fn entropy(logits: &[f32]) -> f32 {
     h as f32
 }
 
-fn row(t: Tensor<2>) -> Result<Vec<f32>> {
-    t.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))
-}
+use crate::calibrate::to_host as row;
 
 impl Llama {
     /// Runs one new token of `seq` with entropy-based early exit (see the

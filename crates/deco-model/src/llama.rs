@@ -57,11 +57,7 @@ impl ForwardOutput {
     /// [`Error::TensorRead`] if the device read fails.
     pub fn logits_rows(&self) -> Result<Vec<Vec<f32>>> {
         let [rows, vocab] = self.logits.dims();
-        let flat = self
-            .logits
-            .clone()
-            .try_into_vec_as::<f32>()
-            .map_err(|e| Error::TensorRead(format!("{e:?}")))?;
+        let flat = crate::calibrate::to_host(self.logits.clone())?;
         Ok((0..rows).map(|r| flat[r * vocab..(r + 1) * vocab].to_vec()).collect())
     }
 }
@@ -85,7 +81,7 @@ impl Linear {
             Linear::Packed(m) => {
                 let [n, _] = x.dims();
                 let device = x.device();
-                let xs = x.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))?;
+                let xs = crate::calibrate::to_host(x)?;
                 let mut y = vec![0.0f32; n * m.rows()];
                 m.matmul(&xs, n, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
