@@ -4,7 +4,7 @@
 //! Optimization", §3, Eq. 2-4).
 
 use deco_decoding::{
-    FinishReason, LogitsProcessor, LogitsProcessorList, ProcessContext, Sampler, SamplerOrder, SamplingParams,
+    LogitsProcessor, LogitsProcessorList, ProcessContext, Sampler, SamplerOrder, SamplingParams,
     StoppingCriteria, math,
 };
 use deco_model::LogitsWanted;
@@ -70,7 +70,7 @@ pub fn contrastive_search(
     let out = lm.forward(&[(main, prompt)], LogitsWanted::All, true)?;
     let mut context_hidden = out.hidden;
     let mut logits = out.logits.last().cloned().ok_or_else(|| GenerateError::InvalidInput("no logits".into()))?;
-    let mut g = Generation { tokens: Vec::new(), logprobs: Vec::new(), samples: Vec::new(), finish_reason: FinishReason::Length };
+    let mut g = Generation::new();
     loop {
         processors.process(&ProcessContext::new(prompt, &g.tokens, eos_token_ids), &mut logits)?;
         let probs = math::softmax(&logits);
@@ -106,17 +106,9 @@ pub fn contrastive_search(
         }
         main = ids[best];
         let token = cand[best] as u32;
-        g.tokens.push(token);
-        g.logprobs.push(probs[cand[best]].ln());
         context_hidden.push(step.hidden[best].clone());
         logits = step.logits[best].clone();
-        let user_stop = sink(&[token]);
-        if let Some(r) = stopping.check(token, g.tokens.len()) {
-            g.finish_reason = r;
-            break;
-        }
-        if user_stop {
-            g.finish_reason = FinishReason::Stop;
+        if g.push(token, probs[cand[best]].ln(), None, sink, &stopping) {
             break;
         }
         if g.tokens.len() >= budget || prompt.len() + g.tokens.len() >= lm.max_context() {
@@ -196,26 +188,14 @@ pub fn contrastive_decoding(
     expert.remove(0);
     amateur.remove(0);
     let mut feed: Vec<u32> = prompt.to_vec();
-    let mut g = Generation { tokens: Vec::new(), logprobs: Vec::new(), samples: Vec::new(), finish_reason: FinishReason::Length };
+    let mut g = Generation::new();
     loop {
         let e = expert.forward(&[(0, &feed)], LogitsWanted::Last, false)?.logits.remove(0);
         let a = amateur.forward(&[(0, &feed)], LogitsWanted::Last, false)?.logits.remove(0);
         let mut scores = contrastive_scores(&e, &a, cd.alpha, cd.amateur_temperature);
         let out = sampler.sample(&ProcessContext::new(prompt, &g.tokens, eos_token_ids), &mut scores)?;
         let token = out.token;
-        g.tokens.push(token);
-        g.logprobs.push(out.logprob);
-        g.samples.push(out);
-        let user_stop = sink(&[token]);
-        if let Some(r) = stopping.check(token, g.tokens.len()) {
-            g.finish_reason = r;
-            break;
-        }
-        if user_stop {
-            g.finish_reason = FinishReason::Stop;
-            break;
-        }
-        if g.tokens.len() >= budget {
+        if g.push(token, out.logprob, Some(out), sink, &stopping) || g.tokens.len() >= budget {
             break;
         }
         feed = vec![token];

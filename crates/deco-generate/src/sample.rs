@@ -26,6 +26,40 @@ pub struct Generation {
     pub finish_reason: FinishReason,
 }
 
+impl Generation {
+    /// An empty generation; its finish reason stays `Length` unless something stops it.
+    pub(crate) fn new() -> Self {
+        Self { tokens: Vec::new(), logprobs: Vec::new(), samples: Vec::new(), finish_reason: FinishReason::Length }
+    }
+
+    /// Records one chosen token (with its log-probability and, when the strategy sampled it token
+    /// by token, the sampler's output), streams it to `sink`, and says whether generation must
+    /// stop: a stopping criterion fired (EOS, stop id, `max_new_tokens`) or the sink asked to stop.
+    /// Sets `finish_reason` accordingly.
+    pub(crate) fn push(
+        &mut self,
+        token: u32,
+        logprob: f32,
+        sample: Option<SampleOutput>,
+        sink: &mut TokenSink<'_>,
+        stopping: &StoppingCriteria,
+    ) -> bool {
+        self.tokens.push(token);
+        self.logprobs.push(logprob);
+        self.samples.extend(sample);
+        let user_stop = sink(&[token]);
+        if let Some(r) = stopping.check(token, self.tokens.len()) {
+            self.finish_reason = r;
+            return true;
+        }
+        if user_stop {
+            self.finish_reason = FinishReason::Stop;
+            return true;
+        }
+        false
+    }
+}
+
 /// Default `max_new_tokens` when the request gives none (Hugging Face's default `max_length`).
 pub const DEFAULT_MAX_NEW_TOKENS: usize = deco_decoding::HF_DEFAULT_MAX_LENGTH;
 
@@ -68,24 +102,12 @@ pub fn generate(
     let seq = 0;
     lm.remove(seq);
     let mut logits = lm.forward(&[(seq, prompt)], LogitsWanted::Last, false)?.logits.remove(0);
-    let mut g = Generation { tokens: Vec::new(), logprobs: Vec::new(), samples: Vec::new(), finish_reason: FinishReason::Length };
+    let mut g = Generation::new();
     loop {
         let ctx = ProcessContext::new(prompt, &g.tokens, eos_token_ids);
         let out = sampler.sample(&ctx, &mut logits)?;
         let token = out.token;
-        g.tokens.push(token);
-        g.logprobs.push(out.logprob);
-        g.samples.push(out);
-        let user_stop = sink(&[token]);
-        if let Some(r) = stopping.check(token, g.tokens.len()) {
-            g.finish_reason = r;
-            break;
-        }
-        if user_stop {
-            g.finish_reason = FinishReason::Stop;
-            break;
-        }
-        if g.tokens.len() >= budget {
+        if g.push(token, out.logprob, Some(out), sink, &stopping) || g.tokens.len() >= budget {
             break;
         }
         logits = lm.forward(&[(seq, &[token])], LogitsWanted::Last, false)?.logits.remove(0);

@@ -297,7 +297,7 @@ pub fn speculative_generate(
         stats.target_forward_calls += 1;
         fed = prompt.len() - 1;
     }
-    let mut g = Generation { tokens: Vec::new(), logprobs: Vec::new(), samples: Vec::new(), finish_reason: FinishReason::Length };
+    let mut g = Generation::new();
     'outer: while g.tokens.len() < budget {
         let ctx_len = prompt.len() + g.tokens.len();
         let room = (budget - g.tokens.len() - 1).min(target.max_context().saturating_sub(ctx_len + 1));
