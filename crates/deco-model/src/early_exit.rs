@@ -10,11 +10,10 @@
 //! **Skipped layers' keys and values.** Later tokens attend to every layer of this one, so the
 //! skipped layers still get K/V for it: following CALM §4.2 ("we propagate the hidden state of
 //! the exited layer to the skipped layers"), the exit hidden state is fed as the input of every
-//! skipped layer and that layer's K/V are computed from it. Implementation note: this module
-//! reaches the layers only through `Llama::layer_forward`, which also runs the attention
-//! output and MLP of the skipped layer (the result is discarded). So the skipped fraction
-//! reported by [`EarlyExitStats`] is the compute a K/V-only projection path would save, not a
-//! wall-clock saving of this implementation.
+//! skipped layer and that layer's K/V are computed from it (`Llama::layer_kv_only`: its RMSNorm
+//! and K/V projections only — Q, attention, output projection and MLP are skipped). The Q
+//! projection is fused with K/V, so it is still computed; everything else of a skipped layer is
+//! saved.
 
 
 use crate::kv_cache::{KvCache, SeqId};
@@ -123,8 +122,8 @@ impl Llama {
                 let h = entropy(&logits);
                 if h < cfg.entropy_threshold {
                     for lj in done..n {
-                        // K/V of the skipped layer from the exit hidden state (output discarded).
-                        let _ = self.layer_forward(lj, x.clone(), &batch, &inputs, cache)?;
+                        // K/V of the skipped layer from the exit hidden state; no attention, no MLP.
+                        self.layer_kv_only(lj, x.clone(), &batch, &inputs, cache)?;
                     }
                     cache.advance(seq, 1);
                     return Ok(EarlyExitStep { logits, exit_layer: done, entropy: h });

@@ -529,6 +529,48 @@ impl Llama {
         }
     }
 
+    /// Pre-norm Q, K, V projections of layer `li` with RoPE applied to Q and K.
+    ///
+    /// # Shapes
+    /// `x`: `[tokens, hidden]`; returns q `[tokens, heads, head_dim]`, k and v
+    /// `[tokens, kv_heads, head_dim]`.
+    fn qkv(&self, li: usize, x: Tensor<2>, batch: &Batch) -> Result<(Tensor<3>, Tensor<3>, Tensor<3>)> {
+        let cfg = &self.config;
+        let layer = &self.layers[li];
+        let n = batch.n;
+        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (qd, kvd) = (heads * hd, kvh * hd);
+        let xn = rms_norm(x, &layer.attn_norm, cfg.rms_norm_eps);
+        let mut qkv = layer.wqkv.apply(xn)?; // [n, q + 2kv]
+        if let Some(b) = &layer.bqkv {
+            qkv = qkv.add(b.clone().unsqueeze_dim::<2>(0));
+        }
+        let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
+        let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
+        let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
+        Ok((self.rope.apply(q, &batch.positions), self.rope.apply(k, &batch.positions), v))
+    }
+
+    /// Appends layer `li`'s keys and values for the residual stream `x` (`[tokens, hidden]`) to
+    /// `cache` without running its attention or MLP: what a layer skipped by early exit leaves
+    /// for later tokens (CALM, Schuster et al. 2022, §4.2: the exit state propagated).
+    pub(crate) fn layer_kv_only(
+        &self,
+        li: usize,
+        x: Tensor<2>,
+        batch: &Batch,
+        inputs: &[SeqInput<'_>],
+        cache: &mut dyn KvCache,
+    ) -> Result<()> {
+        let (_, k, v) = self.qkv(li, x, batch)?;
+        let [_, kvh, hd] = k.dims();
+        for (inp, sp) in inputs.iter().zip(&batch.spans) {
+            let r = sp.start..sp.start + sp.len;
+            cache.append(li, inp.seq, k.clone().slice([r.clone(), 0..kvh, 0..hd]), v.clone().slice([r, 0..kvh, 0..hd]))?;
+        }
+        Ok(())
+    }
+
     /// One decoder layer (pre-norm attention and SwiGLU MLP with residuals) over the batch's
     /// residual stream `x`, `[tokens, hidden]`; appends the layer's keys and values to `cache`.
     pub(crate) fn layer_forward(
@@ -543,20 +585,9 @@ impl Llama {
         let layer = &self.layers[li];
         let n = batch.n;
         let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let (qd, kvd) = (heads * hd, kvh * hd);
         let eps = cfg.rms_norm_eps;
         let inter = cfg.intermediate_size;
-
-        let xn = rms_norm(x.clone(), &layer.attn_norm, eps);
-        let mut qkv = layer.wqkv.apply(xn)?; // [n, q + 2kv]
-        if let Some(b) = &layer.bqkv {
-            qkv = qkv.add(b.clone().unsqueeze_dim::<2>(0));
-        }
-        let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
-        let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
-        let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
-        let q = self.rope.apply(q, &batch.positions);
-        let k = self.rope.apply(k, &batch.positions);
+        let (q, k, v) = self.qkv(li, x.clone(), batch)?;
 
         let mut outs = Vec::with_capacity(batch.spans.len());
         for (inp, sp) in inputs.iter().zip(&batch.spans) {
