@@ -140,6 +140,46 @@ impl Llama {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv_cache::DenseKvCache;
+
+    /// The K/V-only pass leaves exactly what a full layer call would leave in the cache: the next
+    /// token's logits are identical either way (tiny Llama checkpoint of `tests/data/tiny`).
+    #[test]
+    fn kv_only_pass_fills_the_cache_like_a_full_layer() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/tiny/llama3");
+        let ckpt = deco_formats::checkpoint::Checkpoint::open(dir).expect("tiny checkpoint");
+        let model = Llama::load(&ckpt, &burn::tensor::Device::flex(), None).expect("load");
+        let n = model.num_layers();
+        assert!(n >= 2);
+        let prompt = [5u32, 17, 42];
+        let mut caches = [DenseKvCache::new(n), DenseKvCache::new(n)];
+        for cache in caches.iter_mut() {
+            model.forward(&[SeqInput { seq: 0, tokens: &prompt }], cache, LogitsWanted::Last).expect("prompt");
+        }
+        // Token 9 exits after layer 1; the remaining layers get K/V from the exit state.
+        let tokens = [9u32];
+        let inputs = [SeqInput { seq: 0, tokens: &tokens }];
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let batch = model.prepare(&inputs, &*cache).expect("prepare");
+            let x = model.layer_forward(0, model.embed_tokens(&batch), &batch, &inputs, cache).expect("layer 0");
+            for lj in 1..n {
+                if i == 0 {
+                    model.layer_kv_only(lj, x.clone(), &batch, &inputs, cache).expect("kv only");
+                } else {
+                    let _ = model.layer_forward(lj, x.clone(), &batch, &inputs, cache).expect("full layer");
+                }
+            }
+            cache.advance(0, 1);
+        }
+        let next: Vec<Vec<f32>> = caches
+            .iter_mut()
+            .map(|cache| {
+                let out = model.forward(&[SeqInput { seq: 0, tokens: &[33] }], cache, LogitsWanted::Last).expect("next");
+                out.logits_rows().expect("logits").remove(0)
+            })
+            .collect();
+        assert_eq!(next[0], next[1]);
+    }
 
     #[test]
     fn entropy_by_hand() {
