@@ -563,10 +563,8 @@ impl Llama {
         cache: &mut dyn KvCache,
     ) -> Result<()> {
         let (_, k, v) = self.qkv(li, x, batch)?;
-        let [_, kvh, hd] = k.dims();
         for (inp, sp) in inputs.iter().zip(&batch.spans) {
-            let r = sp.start..sp.start + sp.len;
-            cache.append(li, inp.seq, k.clone().slice([r.clone(), 0..kvh, 0..hd]), v.clone().slice([r, 0..kvh, 0..hd]))?;
+            cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
         }
         Ok(())
     }
@@ -584,25 +582,14 @@ impl Llama {
         let cfg = &self.config;
         let layer = &self.layers[li];
         let n = batch.n;
-        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let eps = cfg.rms_norm_eps;
         let inter = cfg.intermediate_size;
         let (q, k, v) = self.qkv(li, x.clone(), batch)?;
 
         let mut outs = Vec::with_capacity(batch.spans.len());
         for (inp, sp) in inputs.iter().zip(&batch.spans) {
-            let (qs, ks, vs) = if batch.spans.len() == 1 {
-                (q.clone(), k.clone(), v.clone())
-            } else {
-                let r = sp.start..sp.start + sp.len;
-                (
-                    q.clone().slice([r.clone(), 0..heads, 0..hd]),
-                    k.clone().slice([r.clone(), 0..kvh, 0..hd]),
-                    v.clone().slice([r, 0..kvh, 0..hd]),
-                )
-            };
-            let (kall, vall) = cache.append(li, inp.seq, ks, vs)?;
-            outs.push(causal_gqa_attention(qs, kall, vall, sp.past));
+            let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
+            outs.push(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
         }
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
         let x = x.add(layer.wo.apply(attn)?);
@@ -655,4 +642,16 @@ pub(crate) struct Batch {
     pub ids: Tensor<1, Int>,
     pub positions: Tensor<1, Int>,
     pub spans: Vec<Span>,
+}
+
+impl Batch {
+    /// The rows of one sequence of a `[tokens, heads, head_dim]` tensor (the whole tensor, without
+    /// a copy, when the batch holds a single sequence).
+    pub(crate) fn rows(&self, t: &Tensor<3>, sp: &Span) -> Tensor<3> {
+        if self.spans.len() == 1 {
+            return t.clone();
+        }
+        let [_, heads, hd] = t.dims();
+        t.clone().slice([sp.start..sp.start + sp.len, 0..heads, 0..hd])
+    }
 }
