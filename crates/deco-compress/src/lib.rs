@@ -1,0 +1,1 @@
+//! Compression of Llama-family models: pruning (unstructured, N:M, structured) and distillation.
