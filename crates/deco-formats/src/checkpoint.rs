@@ -10,12 +10,18 @@
 //! `w.reshape(n_head, 2, d/2, in).swapaxes(1, 2)`. This module undoes that permutation so that
 //! the model uses HF's rotate-half RoPE for every source. Qwen2 is not permuted (llama.cpp runs it
 //! with NEOX RoPE, the same as HF).
+//!
+//! A directory quantized by AutoGPTQ, AutoAWQ (GEMM) or compressed-tensors (`pack-quantized`),
+//! recognised by the `quantization_config` of `config.json` or a `quantize_config.json`, serves
+//! each packed linear's `<layer>.weight` dequantized to f32 on load
+//! ([`crate::quantized::decode`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::config::{Architecture, ModelConfig};
 use crate::gguf::GgufFile;
+use crate::quantized::{QuantConfig, RawTensor};
 use crate::{Error, Result};
 
 /// Where the tensors come from.
@@ -26,6 +32,8 @@ enum Source {
         index: BTreeMap<String, PathBuf>,
         /// Memory-mapped shards.
         shards: BTreeMap<PathBuf, memmap2::Mmap>,
+        /// Quantization settings of a GPTQ / AWQ / compressed-tensors directory.
+        quant: Option<QuantConfig>,
     },
 }
 
@@ -181,6 +189,7 @@ impl Checkpoint {
 
     fn open_hf_dir(dir: &Path) -> Result<Self> {
         let config = ModelConfig::from_hf_json(&dir.join("config.json"))?;
+        let quant = QuantConfig::from_dir(dir)?;
         let mut index = BTreeMap::new();
         let mut shards = BTreeMap::new();
         let single = dir.join("model.safetensors");
@@ -230,12 +239,51 @@ impl Checkpoint {
             }
             shards.insert(f, mmap);
         }
-        Ok(Self { path: dir.to_path_buf(), config, source: Source::Safetensors { index, shards } })
+        Ok(Self { path: dir.to_path_buf(), config, source: Source::Safetensors { index, shards, quant } })
     }
 
     /// The path this checkpoint was opened from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The quantization settings of a GPTQ / AWQ / compressed-tensors directory (`None` for
+    /// GGUF files and unquantized directories).
+    pub fn quant_config(&self) -> Option<&QuantConfig> {
+        match &self.source {
+            Source::Safetensors { quant, .. } => quant.as_ref(),
+            Source::Gguf(_) => None,
+        }
+    }
+
+    /// Dequantizes the packed linear stored under `prefix` (`<prefix>.qweight` ... or
+    /// `<prefix>.weight_packed` ...) as a `[out, in]` f32 weight.
+    fn dequantize_packed(
+        &self,
+        index: &BTreeMap<String, PathBuf>,
+        shards: &BTreeMap<PathBuf, memmap2::Mmap>,
+        quant: &QuantConfig,
+        hf_name: &str,
+        prefix: &str,
+    ) -> Result<(Vec<usize>, Vec<f32>)> {
+        let not_found = || Error::TensorNotFound { path: self.path.clone(), name: hf_name.to_string() };
+        let shape = hf_expected_shape(&self.config, hf_name).filter(|s| s.len() == 2).ok_or_else(not_found)?;
+        let mut parsed = BTreeMap::new();
+        for (f, mmap) in shards {
+            let st = safetensors::SafeTensors::deserialize(mmap).map_err(|e| Error::Invalid {
+                path: f.clone(),
+                format: "safetensors",
+                msg: e.to_string(),
+            })?;
+            parsed.insert(f.clone(), st);
+        }
+        let get = |name: &str| -> Option<RawTensor<'_>> {
+            let st = parsed.get(index.get(name)?)?;
+            let v = st.tensor(name).ok()?;
+            Some(RawTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data() })
+        };
+        let l = crate::quantized::decode(&get, quant, prefix, shape[0], shape[1], &self.path)?;
+        Ok((shape, l.dequantize()))
     }
 
     /// The GGUF file, when the checkpoint is one.
@@ -284,7 +332,14 @@ impl Checkpoint {
                 }
                 (shape, data)
             }
-            Source::Safetensors { index, shards } => {
+            Source::Safetensors { index, shards, quant } => {
+                if !index.contains_key(hf_name)
+                    && let Some(q) = quant
+                    && let Some(prefix) = hf_name.strip_suffix(".weight")
+                    && index.contains_key(&format!("{prefix}.{}", crate::quantized::marker(q.method)))
+                {
+                    return self.dequantize_packed(index, shards, q, hf_name, prefix);
+                }
                 let file = index.get(hf_name).ok_or_else(not_found)?;
                 let mmap = shards.get(file).ok_or_else(not_found)?;
                 let st = safetensors::SafeTensors::deserialize(mmap).map_err(|e| Error::Invalid {

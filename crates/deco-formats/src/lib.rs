@@ -5,6 +5,7 @@
 //! - [`config`]: model hyper-parameters in Hugging Face terms, from GGUF metadata or `config.json`.
 //! - [`checkpoint`]: tensors under transformers names from a GGUF file or a safetensors directory.
 //! - [`hf_export`]: writing a Hugging Face directory (`deco convert`).
+//! - [`quantized`]: GPTQ / AWQ / compressed-tensors packed linears (pack, unpack, dequantize on load).
 //! - [`tokenizer`]: tokenizers built from GGUF metadata or loaded from `tokenizer.json`.
 //! - [`chat_template`]: Hugging Face Jinja chat templates rendered with minijinja.
 //!
@@ -17,6 +18,7 @@ pub mod error;
 pub mod ggml;
 pub mod gguf;
 pub mod hf_export;
+pub mod quantized;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
