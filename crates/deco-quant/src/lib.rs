@@ -8,10 +8,13 @@
 //!   LLM.int8() outlier decomposition (Dettmers et al. 2022);
 //! - [`nf4`]: NormalFloat-4 with double quantization (Dettmers et al. 2023);
 //! - [`linalg`]: the Cholesky factorizations GPTQ needs;
-//! - [`pipeline`]: whole-model, layer-by-layer quantization (RTN, GPTQ, NF4).
+//! - [`pipeline`]: whole-model, layer-by-layer quantization (RTN, GPTQ, NF4);
+//! - [`export`]: integer forms of a whole model and their export (GPTQ, AWQ GEMM,
+//!   compressed-tensors, GGUF Q8_0/Q4_0/Q4_1, fake-quantized f32).
 
 pub mod awq;
 pub mod error;
+pub mod export;
 pub mod gptq;
 pub mod linalg;
 pub mod nf4;

@@ -1,0 +1,397 @@
+//! Producing and writing quantized checkpoints: GPTQ (AutoGPTQ layout), AWQ GEMM,
+//! compressed-tensors `pack-quantized`, GGUF Q8_0 / Q4_0 / Q4_1, and "fake" (fake-quantized f32)
+//! Hugging Face directories.
+//!
+//! [`quantize_linears`] quantizes every decoder linear of a model layer by layer (RTN or GPTQ)
+//! and keeps the integer form of each ([`QuantizedTensor`]); [`write_packed_dir`] packs them with
+//! [`deco_formats::quantized::encode`] into a directory that
+//! [`deco_formats::checkpoint::Checkpoint::open`] reads back (dequantizing on load), and that
+//! AutoGPTQ / AutoAWQ / compressed-tensors loaders read as their own format. [`write_gguf_model`]
+//! re-quantizes the linears of a GGUF model with ggml's block quantizers.
+//!
+//! The packing orders are documented in `docs/formats.md`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use burn::tensor::{Device, Tensor};
+use deco_formats::checkpoint::{hf_tensor_names, hf_to_gguf_name, permute_qk};
+use deco_formats::config::{Architecture, ModelConfig};
+use deco_formats::ggml::{self, GgmlType};
+use deco_formats::gguf::{GgufFile, MetadataValue, TensorToWrite, write_gguf};
+use deco_formats::quantized::{IntLinear, QuantConfig, StTensor, encode, write_safetensors_dir};
+use deco_formats::tokenizer::Tokenizer;
+use deco_model::calibrate::{Calibrator, LayerWeights, Linear, to_host};
+
+use crate::gptq::{Hessian, gptq_quantize};
+use crate::pipeline::{Method, TensorFn};
+use crate::scheme::{Granularity, QuantizedTensor, Scheme, check_bits, find_params, quantize_rtn, quantize_value};
+use crate::{Error, Result, invalid};
+
+/// Round-to-nearest quantization like [`quantize_rtn`], but a per-group scheme whose group size
+/// does not divide `cols` gets AutoGPTQ's ragged groups: `ceil(cols / group_size)` groups,
+/// `g_idx[c] = c / group_size`, the last group shorter (AutoGPTQ `QuantLinear` allocates
+/// `ceil(infeatures / group_size)` groups). When the size divides `cols` the result is exactly
+/// [`quantize_rtn`]'s.
+///
+/// # Errors
+/// [`Error::InvalidParameter`] for unsupported bits or group size 0; [`Error::Shape`] if
+/// `w.len() != rows * cols`.
+pub fn quantize_rtn_ragged(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+    let gs = match scheme.granularity {
+        Granularity::PerGroup(g) if g > 0 && !cols.is_multiple_of(g) => g,
+        _ => return quantize_rtn(w, rows, cols, scheme),
+    };
+    check_bits(scheme.bits)?;
+    if w.len() != rows * cols {
+        return Err(Error::Shape(format!("{} values for a {rows}x{cols} matrix", w.len())));
+    }
+    let groups = cols.div_ceil(gs);
+    let maxq = scheme.maxq();
+    let mut scales = Vec::with_capacity(rows * groups);
+    let mut zeros = Vec::with_capacity(rows * groups);
+    let mut codes = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        let row = &w[r * cols..(r + 1) * cols];
+        for g in 0..groups {
+            let run = &row[g * gs..((g + 1) * gs).min(cols)];
+            let (s, z) = find_params(run.iter().copied(), scheme.bits, scheme.sym);
+            scales.push(s);
+            zeros.push(z);
+            codes.extend(run.iter().map(|&x| quantize_value(x, s, z, maxq)));
+        }
+    }
+    Ok(QuantizedTensor {
+        rows,
+        cols,
+        bits: scheme.bits,
+        sym: scheme.sym,
+        group_size: gs,
+        codes,
+        scales,
+        zeros,
+        g_idx: (0..cols).map(|c| (c / gs) as u32).collect(),
+        param_rows: rows,
+    })
+}
+
+fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
+    let g = x.clone().transpose().matmul(x.clone());
+    Ok(to_host(g)?.iter().map(|&v| v as f64).collect())
+}
+
+/// Quantizes every decoder linear of a model and keeps the integer forms, keyed by transformers
+/// weight name (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+///
+/// RTN uses [`quantize_rtn_ragged`] (so a group size of 128 works on SmolLM2's 576 inputs, as in
+/// AutoGPTQ). GPTQ runs the layer-by-layer, true-sequential loop of
+/// [`crate::pipeline::quantize_model`] (q/k/v → o → gate/up → down, each layer's inputs from the
+/// already-quantized layers before it) with [`gptq_quantize`]; `windows` are the calibration
+/// token windows. `progress(layer)` is called after each layer.
+///
+/// # Errors
+/// [`Error::InvalidParameter`] for NF4 (not an integer scheme; use `quantize_model`) and bad
+/// parameters (GPTQ: a group size that does not divide a layer's input dimension), missing
+/// tensors, empty calibration for GPTQ.
+pub fn quantize_linears(
+    cfg: &ModelConfig,
+    tensor: &TensorFn<'_>,
+    device: &Device,
+    windows: &[Vec<u32>],
+    method: &Method,
+    scheme: &Scheme,
+    progress: &mut dyn FnMut(usize),
+) -> Result<BTreeMap<String, QuantizedTensor>> {
+    let name = |li: usize, l: Linear| format!("model.layers.{li}.{}.weight", l.hf_suffix());
+    let mut out = BTreeMap::new();
+    match method {
+        Method::Nf4 => Err(invalid("method", "NF4 has no integer codes with zero points; export it as fake-quantized f32")),
+        Method::Rtn => {
+            for li in 0..cfg.num_hidden_layers {
+                let lw = LayerWeights::fetch(cfg, li, tensor)?;
+                for l in Linear::ALL {
+                    let (rows, cols) = l.dims(cfg);
+                    out.insert(name(li, l), quantize_rtn_ragged(lw.linear(l), rows, cols, scheme)?);
+                }
+                progress(li);
+            }
+            Ok(out)
+        }
+        Method::Gptq(g) => {
+            if windows.is_empty() {
+                return Err(Error::Calibration("GPTQ needs calibration windows".into()));
+            }
+            let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
+            let c = Calibrator::new(cfg, device, &lens)?;
+            let (_, embed) = tensor("model.embed_tokens.weight")?;
+            let mut x = c.embed(&embed, windows)?;
+            for li in 0..cfg.num_hidden_layers {
+                let mut lw = LayerWeights::fetch(cfg, li, tensor)?;
+                let n = c.tokens();
+                let mut quant = |lw: &mut LayerWeights, inp: &Tensor<2>, ls: &[Linear]| -> Result<()> {
+                    let (_, cols) = ls[0].dims(cfg);
+                    let mut h = Hessian::new(cols);
+                    h.add_gram(&gram(inp)?, n)?;
+                    for &l in ls {
+                        let (rows, cols) = l.dims(cfg);
+                        let r = gptq_quantize(lw.linear(l), rows, cols, &h, g)?;
+                        *lw.linear_mut(l) = r.q.dequantize();
+                        out.insert(name(li, l), r.q);
+                    }
+                    Ok(())
+                };
+                let dl = c.upload(&lw);
+                let xn = c.attn_in(&dl, x.clone());
+                quant(&mut lw, &xn, &[Linear::Q, Linear::K, Linear::V])?;
+                let dl = c.upload(&lw);
+                let a = c.attention(&dl, xn, None);
+                quant(&mut lw, &a, &[Linear::O])?;
+                let dl = c.upload(&lw);
+                let x2 = c.attn_residual(&dl, x, a, None);
+                let xn2 = c.mlp_in(&dl, x2.clone());
+                quant(&mut lw, &xn2, &[Linear::Gate, Linear::Up])?;
+                let dl = c.upload(&lw);
+                let hmid = c.swiglu_out(&dl, xn2, None);
+                quant(&mut lw, &hmid, &[Linear::Down])?;
+                let dl = c.upload(&lw);
+                x = c.mlp_residual(&dl, x2, hmid, None);
+                progress(li);
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// The format-neutral integer form of a [`QuantizedTensor`] (per-tensor parameters broadcast to
+/// every row; zero points as integers). Scales keep their f32 values; the packed formats round
+/// them to f16 when writing.
+pub fn to_int_linear(q: &QuantizedTensor) -> IntLinear {
+    let g = q.groups();
+    let mut scales = Vec::with_capacity(q.rows * g);
+    let mut zeros = Vec::with_capacity(q.rows * g);
+    for r in 0..q.rows {
+        let pr = if q.param_rows == 1 { 0 } else { r };
+        scales.extend_from_slice(&q.scales[pr * g..(pr + 1) * g]);
+        zeros.extend(q.zeros[pr * g..(pr + 1) * g].iter().map(|&z| z as i32));
+    }
+    IntLinear {
+        out_features: q.rows,
+        in_features: q.cols,
+        bits: q.bits,
+        group_size: q.group_size,
+        codes: q.codes.clone(),
+        scales,
+        zeros,
+        g_idx: q.g_idx.clone(),
+    }
+}
+
+/// What an export wrote.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExportStats {
+    /// Bytes written (all files).
+    pub bytes: u64,
+    /// Number of quantized linear layers.
+    pub linears: usize,
+}
+
+fn dir_size(p: &Path) -> u64 {
+    if p.is_file() {
+        return std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    }
+    std::fs::read_dir(p)
+        .map(|rd| rd.filter_map(|e| e.ok()).map(|e| dir_size(&e.path())).sum())
+        .unwrap_or(0)
+}
+
+fn generation_config(cfg: &ModelConfig, tok: &Tokenizer) -> String {
+    let mut g = serde_json::json!({ "_from_model_config": true });
+    if let Some(b) = cfg.bos_token_id {
+        g["bos_token_id"] = b.into();
+    }
+    let eos = tok.eos_token_ids();
+    if !eos.is_empty() {
+        g["eos_token_id"] = eos.to_vec().into();
+    }
+    serde_json::to_string_pretty(&g).unwrap_or_default()
+}
+
+/// Writes a Hugging Face directory whose decoder linears are packed in `qcfg`'s format
+/// (`model.safetensors` with `<layer>.qweight` ... or `<layer>.weight_packed` ...; every other
+/// tensor f32 from `tensor`), `config.json` with `quantization_config`, for GPTQ also AutoGPTQ's
+/// `quantize_config.json`, `generation_config.json` and the tokenizer. Atomic: written into a
+/// temporary sibling and renamed.
+///
+/// # Errors
+/// The [`encode`] errors of the format (e.g. a GPTQ v1 zero point of 0, bits the format cannot
+/// pack) naming the layer, missing tensors, I/O errors.
+pub fn write_packed_dir(
+    cfg: &ModelConfig,
+    tensor: &TensorFn<'_>,
+    tok: &Tokenizer,
+    quantized: &BTreeMap<String, QuantizedTensor>,
+    qcfg: &QuantConfig,
+    out_dir: &Path,
+) -> Result<ExportStats> {
+    let mut tensors: Vec<(String, StTensor)> = Vec::new();
+    for name in hf_tensor_names(cfg) {
+        match quantized.get(&name) {
+            Some(q) => {
+                let prefix = name.strip_suffix(".weight").unwrap_or(&name);
+                tensors.extend(encode(&to_int_linear(q), qcfg, prefix, out_dir)?);
+            }
+            None => {
+                let (shape, data) = tensor(&name)?;
+                tensors.push((name, StTensor::f32(shape, &data)));
+            }
+        }
+    }
+    let mut config = cfg.to_hf_json("float32");
+    config["quantization_config"] = qcfg.to_json();
+    let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default();
+    let mut files = vec![("config.json", pretty(&config)), ("generation_config.json", generation_config(cfg, tok))];
+    if qcfg.method == deco_formats::quantized::QuantMethod::Gptq {
+        files.push(("quantize_config.json", pretty(&qcfg.to_json())));
+    }
+    write_safetensors_dir(out_dir, &tensors, &files, &|d| tok.save_hf(d))?;
+    Ok(ExportStats { bytes: dir_size(out_dir), linears: quantized.len() })
+}
+
+/// Writes a Hugging Face directory with the given f32 linears (fake-quantized weights) in place
+/// of the model's, everything else from `tensor`; no `quantization_config` (it loads as a plain
+/// f32 model). Atomic like [`write_packed_dir`].
+///
+/// # Errors
+/// Missing tensors, a linear whose length does not match its shape, I/O errors.
+pub fn write_fake_dir(
+    cfg: &ModelConfig,
+    tensor: &TensorFn<'_>,
+    tok: &Tokenizer,
+    linears: &HashMap<String, Vec<f32>>,
+    out_dir: &Path,
+) -> Result<ExportStats> {
+    let mut tensors = Vec::new();
+    for name in hf_tensor_names(cfg) {
+        let (shape, data) = tensor(&name)?;
+        let data = match linears.get(&name) {
+            Some(w) if w.len() != data.len() => {
+                return Err(Error::Shape(format!("{name}: {} values for shape {shape:?}", w.len())));
+            }
+            Some(w) => w.clone(),
+            None => data,
+        };
+        tensors.push((name, StTensor::f32(shape, &data)));
+    }
+    let config = serde_json::to_string_pretty(&cfg.to_hf_json("float32")).unwrap_or_default();
+    let files = [("config.json", config), ("generation_config.json", generation_config(cfg, tok))];
+    write_safetensors_dir(out_dir, &tensors, &files, &|d| tok.save_hf(d))?;
+    Ok(ExportStats { bytes: dir_size(out_dir), linears: linears.len() })
+}
+
+/// llama.cpp's `general.file_type` (`LLAMA_FTYPE_MOSTLY_*`) of a model whose linears are `ty`.
+fn file_type(ty: GgmlType) -> Option<u32> {
+    match ty {
+        GgmlType::Q4_0 => Some(2),
+        GgmlType::Q4_1 => Some(3),
+        GgmlType::Q8_0 => Some(7),
+        _ => None,
+    }
+}
+
+/// Quantizes a decoder linear (`[out, in]`, transformers layout) to GGML blocks in the GGUF
+/// layout: llama Q/K rows permuted back for llama.cpp's RoPE
+/// ([`deco_formats::checkpoint::permute_qk`]), then [`ggml::quantize_q8_0`] /
+/// [`ggml::quantize_q4_0`] / [`ggml::quantize_q4_1`] row-major (blocks of 32 along the input).
+///
+/// # Errors
+/// [`Error::InvalidParameter`] for another type; the ggml error for `in % 32 != 0`.
+pub fn ggml_quantize_linear(cfg: &ModelConfig, hf_name: &str, w: &[f32], cols: usize, ty: GgmlType) -> Result<Vec<u8>> {
+    let heads = if cfg.model_type != Architecture::Llama {
+        None
+    } else if hf_name.ends_with("q_proj.weight") {
+        Some(cfg.num_attention_heads)
+    } else if hf_name.ends_with("k_proj.weight") {
+        Some(cfg.num_key_value_heads)
+    } else {
+        None
+    };
+    let permuted;
+    let w = match heads {
+        Some(n) => {
+            permuted = permute_qk(w, n, cols);
+            &permuted[..]
+        }
+        None => w,
+    };
+    let fmt_err = |e: ggml::GgmlError| Error::Shape(format!("{hf_name}: {e}"));
+    match ty {
+        GgmlType::Q8_0 => ggml::quantize_q8_0(w).map_err(fmt_err),
+        GgmlType::Q4_0 => ggml::quantize_q4_0(w).map_err(fmt_err),
+        GgmlType::Q4_1 => ggml::quantize_q4_1(w).map_err(fmt_err),
+        other => Err(invalid("format", format!("GGUF export supports Q8_0, Q4_0, Q4_1, not {}", other.name()))),
+    }
+}
+
+/// Writes a GGUF model whose decoder linears are the f32 weights of `tensor` quantized to `ty`
+/// with ggml's reference block quantizers; every other tensor (embeddings, norms) is copied
+/// byte for byte from `src`, and so is the metadata (tokenizer, hyper-parameters), with
+/// `general.file_type` set to `ty`'s. Atomic (written to a temporary file and renamed).
+///
+/// # Errors
+/// [`Error::InvalidParameter`] for a type other than Q8_0 / Q4_0 / Q4_1; missing tensors;
+/// the ggml and GGUF writer errors.
+pub fn write_gguf_model(
+    src: &GgufFile,
+    cfg: &ModelConfig,
+    tensor: &TensorFn<'_>,
+    ty: GgmlType,
+    out: &Path,
+    progress: &mut dyn FnMut(usize),
+) -> Result<ExportStats> {
+    let ft = file_type(ty).ok_or_else(|| invalid("format", format!("GGUF export supports Q8_0, Q4_0, Q4_1, not {}", ty.name())))?;
+    let mut hf_of: HashMap<String, String> = HashMap::new();
+    for n in hf_tensor_names(cfg) {
+        if n.starts_with("model.layers.") && n.ends_with("_proj.weight")
+            && let Some(g) = hf_to_gguf_name(&n)
+        {
+            hf_of.insert(g, n);
+        }
+    }
+    let mut quantized: HashMap<String, Vec<u8>> = HashMap::new();
+    for li in 0..cfg.num_hidden_layers {
+        for l in Linear::ALL {
+            let name = format!("model.layers.{li}.{}.weight", l.hf_suffix());
+            let (shape, w) = tensor(&name)?;
+            let cols = shape.get(1).copied().unwrap_or(1);
+            quantized.insert(name.clone(), ggml_quantize_linear(cfg, &name, &w, cols, ty)?);
+        }
+        progress(li);
+    }
+    let mut to_write = Vec::with_capacity(src.tensors.len());
+    for info in &src.tensors {
+        match hf_of.get(&info.name).and_then(|h| quantized.get(h)) {
+            Some(bytes) => to_write.push(TensorToWrite { name: info.name.clone(), shape: info.shape(), ggml_type: ty, data: bytes }),
+            None => {
+                let (_, bytes) = src.tensor_bytes(&info.name)?;
+                to_write.push(TensorToWrite { name: info.name.clone(), shape: info.shape(), ggml_type: info.ggml_type, data: bytes });
+            }
+        }
+    }
+    let mut meta: Vec<(String, MetadataValue)> = Vec::with_capacity(src.metadata_order.len() + 1);
+    let mut has_ft = false;
+    for k in &src.metadata_order {
+        if let Some(v) = src.metadata.get(k) {
+            if k == "general.file_type" {
+                has_ft = true;
+                meta.push((k.clone(), MetadataValue::U32(ft)));
+            } else {
+                meta.push((k.clone(), v.clone()));
+            }
+        }
+    }
+    if !has_ft {
+        meta.push(("general.file_type".into(), MetadataValue::U32(ft)));
+    }
+    write_gguf(out, &meta, &to_write)?;
+    Ok(ExportStats { bytes: dir_size(out), linears: quantized.len() })
+}
