@@ -1,2 +1,41 @@
-//! AutoDeco (arXiv 2510.26697): heads on a frozen base model that predict, at every token, the
-//! temperature and top-p to decode it with.
+//! AutoDeco (Wang et al. 2025, "The End of Manual Decoding: Towards Truly End-to-End Language
+//! Models", arXiv 2510.26697; reference implementation github.com/Zacks917/AutoDeco): small heads
+//! on a frozen base model that predict, at every token, the temperature and top-p to sample it with.
+//!
+//! - [`heads`]: `TempHead` / `TopPHead` (burn modules for training, host copies for inference),
+//!   save / load as safetensors + JSON.
+//! - [`stats`]: the four statistics of `softmax(logits / T)` the top-p head sees.
+//! - [`loss`]: temperature loss, differentiable soft top-p loss, easy-token masking.
+//! - [`data`]: GSM-style chat data with the loss on answer tokens; the base model's hidden states.
+//! - [`train`]: training on a frozen base with burn autodiff and Adam.
+//! - [`decode`]: decoding with the heads (per-token `T × temperature`, `clamp(P × top_p)`).
+//! - [`eval`]: GSM answer extraction and the unbiased pass@k estimator.
+
+pub mod data;
+pub mod decode;
+pub mod error;
+pub mod eval;
+pub mod heads;
+pub mod loss;
+pub mod stats;
+pub mod train;
+
+pub use error::{Error, Result};
+pub use heads::{AutoDecoConfig, AutoDecoHeads, HeadOutput, HostHeads};
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
+/// reader never sees a half-written file.
+///
+/// # Errors
+/// [`Error::Io`].
+pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let mut tmp = tempfile::NamedTempFile::new_in(&dir).map_err(error::io_err(&dir))?;
+    tmp.write_all(bytes).map_err(error::io_err(path))?;
+    tmp.persist(path).map_err(|e| Error::Io { path: path.display().to_string(), source: e.error })?;
+    Ok(())
+}

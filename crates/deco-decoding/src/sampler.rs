@@ -150,9 +150,23 @@ impl Sampler {
     ///   NaN / `+inf` in the row ([`NonFiniteLogit`](DecodingError::NonFiniteLogit));
     /// - [`NoValidToken`](DecodingError::NoValidToken) if processing removed every token.
     pub fn sample(&mut self, ctx: &ProcessContext<'_>, logits: &mut [f32]) -> Result<SampleOutput> {
+        let processors = std::mem::take(&mut self.processors);
+        let out = self.sample_with(&processors, ctx, logits);
+        self.processors = processors;
+        out
+    }
+
+    /// Like [`sample`](Self::sample), but runs `processors` instead of the sampler's own chain
+    /// for this one token; the greedy / sampling choice, the RNG and the logprobs setting stay
+    /// the sampler's. For parameters that change per token, e.g. AutoDeco's predicted
+    /// temperature and top-p (build the chain with [`LogitsProcessorList::from_params`]).
+    ///
+    /// # Errors
+    /// As [`sample`](Self::sample).
+    pub fn sample_with(&mut self, processors: &LogitsProcessorList, ctx: &ProcessContext<'_>, logits: &mut [f32]) -> Result<SampleOutput> {
         check_row(logits)?;
         let raw = self.logprobs.map(|_| logits.to_vec());
-        self.processors.process(ctx, logits)?;
+        processors.process(ctx, logits)?;
         // A custom processor could have produced NaN or +inf; refuse rather than guess.
         check_row(logits)?;
         let lse = log_sum_exp(logits);
