@@ -256,6 +256,23 @@ impl Checkpoint {
         }
     }
 
+    /// The integer form (codes, scales, zero points, `g_idx`) of a packed linear of a GPTQ /
+    /// AWQ / compressed-tensors directory, by its transformers weight name
+    /// (`model.layers.0.self_attn.q_proj.weight`); `None` when the checkpoint is not quantized
+    /// or stores this weight unpacked.
+    ///
+    /// # Errors
+    /// The errors of [`crate::quantized::decode`] (missing companion tensors, wrong shapes or
+    /// dtypes), [`Error::Invalid`] for an unreadable shard.
+    pub fn quantized_linear(&self, hf_name: &str) -> Result<Option<crate::quantized::IntLinear>> {
+        let Source::Safetensors { index, shards, quant: Some(q) } = &self.source else { return Ok(None) };
+        let Some(prefix) = hf_name.strip_suffix(".weight") else { return Ok(None) };
+        if index.contains_key(hf_name) || !index.contains_key(&format!("{prefix}.{}", crate::quantized::marker(q.method))) {
+            return Ok(None);
+        }
+        self.decode_packed(index, shards, q, hf_name, prefix).map(Some)
+    }
+
     /// Dequantizes the packed linear stored under `prefix` (`<prefix>.qweight` ... or
     /// `<prefix>.weight_packed` ...) as a `[out, in]` f32 weight.
     fn dequantize_packed(
@@ -266,6 +283,18 @@ impl Checkpoint {
         hf_name: &str,
         prefix: &str,
     ) -> Result<(Vec<usize>, Vec<f32>)> {
+        let l = self.decode_packed(index, shards, quant, hf_name, prefix)?;
+        Ok((vec![l.out_features, l.in_features], l.dequantize()))
+    }
+
+    fn decode_packed(
+        &self,
+        index: &BTreeMap<String, PathBuf>,
+        shards: &BTreeMap<PathBuf, memmap2::Mmap>,
+        quant: &QuantConfig,
+        hf_name: &str,
+        prefix: &str,
+    ) -> Result<crate::quantized::IntLinear> {
         let not_found = || Error::TensorNotFound { path: self.path.clone(), name: hf_name.to_string() };
         let shape = hf_expected_shape(&self.config, hf_name).filter(|s| s.len() == 2).ok_or_else(not_found)?;
         let mut parsed = BTreeMap::new();
@@ -282,8 +311,7 @@ impl Checkpoint {
             let v = st.tensor(name).ok()?;
             Some(RawTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data() })
         };
-        let l = crate::quantized::decode(&get, quant, prefix, shape[0], shape[1], &self.path)?;
-        Ok((shape, l.dequantize()))
+        crate::quantized::decode(&get, quant, prefix, shape[0], shape[1], &self.path)
     }
 
     /// The GGUF file, when the checkpoint is one.
