@@ -1,1 +1,24 @@
-//! Compression of Llama-family models: pruning (unstructured, N:M, structured) and distillation.
+//! Compression of Llama-family models by pruning.
+//!
+//! - [`mask`]: sparsity patterns (unstructured fraction, N:M) and exact mask selection;
+//! - [`unstructured`]: magnitude (per layer / per row) and Wanda (Sun et al. 2024) on one layer;
+//! - [`sparsegpt`]: SparseGPT (Frantar & Alistarh 2023) on one layer, on `deco-quant`'s Hessian;
+//! - [`pipeline`]: whole-model, layer-by-layer unstructured / N:M pruning;
+//! - [`structured`]: attention heads (GQA-aware), MLP neurons and layers by importance, giving a
+//!   smaller dense model with a valid config;
+//! - [`sparse`]: bitmask + nonzero values storage;
+//! - [`export`]: atomic writing of pruned models (dense HF directory or sparse form).
+//!
+//! Weights are `[out, in]` row-major f32 under transformers names throughout.
+
+pub mod error;
+pub mod export;
+pub mod mask;
+pub mod pipeline;
+pub mod sparse;
+pub mod sparsegpt;
+pub mod structured;
+pub mod unstructured;
+
+pub use error::{Error, Result};
+pub(crate) use error::{invalid, io_err};

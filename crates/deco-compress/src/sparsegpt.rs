@@ -1,0 +1,192 @@
+//! SparseGPT (Frantar & Alistarh 2023, "SparseGPT: Massive Language Models Can Be Accurately
+//! Pruned in One-Shot", Algorithm 1), following IST-DASLab/sparsegpt `SparseGPT.fasterprune`.
+//!
+//! For a linear layer with weight `W` (`[rows, cols]`) and the Hessian `H = 2XXᵀ/n` of its inputs
+//! (shared with GPTQ: [`deco_quant::gptq::Hessian`]), columns are visited left to right in blocks
+//! of `blocksize` (128). With `U = chol(H⁻¹)` (upper, so `U_jj² = [H_F⁻¹]_jj` of the remaining
+//! columns `F`):
+//!
+//! - mask selection: unstructured, per block, the weights of lowest `w² / U_jj²` over all rows of
+//!   the block (the OBS saliency, eq. 3 of the paper); N:M, at the first column of each group of
+//!   `m` columns, the `m - n` lowest `w² / U_jj²` of the group, per row, from the weights as
+//!   updated so far;
+//! - OBS update: pruning column `j` (row error `e = (w_j - q_j) / U_jj`, `q_j = 0` where pruned)
+//!   updates the remaining columns of the block `W[:, k] -= e · U_jk`, and after the block the
+//!   columns right of it `W[:, i2:] -= E · U[i1:i2, i2:]` (lazy batch update).
+//!
+//! Deviation from the reference: the reference keeps weights with `tmp > sort(tmp)[int(n·s)]`,
+//! pruning `⌊n·s⌋ + 1` per block (and more on ties); here each block prunes exactly its share
+//! `round(s · rows · i2) - round(s · rows · i1)`, so the layer has exactly `round(s · rows · cols)`
+//! zeros in its mask.
+
+use deco_quant::gptq::Hessian;
+
+use crate::mask::{Mask, Pattern, pruned_count};
+use crate::{Error, Result, invalid};
+
+/// SparseGPT options (reference defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SparseGptConfig {
+    /// Columns per block (lazy batch update and unstructured mask selection), 128.
+    pub blocksize: usize,
+    /// Dampening added to the diagonal of `H`, as a fraction of its mean, 0.01.
+    pub percdamp: f64,
+}
+
+impl Default for SparseGptConfig {
+    fn default() -> Self {
+        Self { blocksize: 128, percdamp: 0.01 }
+    }
+}
+
+/// Result of [`sparsegpt_prune`].
+#[derive(Debug, Clone)]
+pub struct SparseGptResult {
+    /// The pruned and updated weight, `[rows, cols]`; exactly zero where `mask` is false.
+    pub weights: Vec<f32>,
+    /// The kept weights.
+    pub mask: Mask,
+    /// `Σ (w - q)² / U_jj² / 2` over all weights (the reference's reported error).
+    pub loss: f64,
+}
+
+/// Prunes a `[rows, cols]` weight (`[out, in]`) against the Hessian of its inputs.
+///
+/// Dead inputs (`H_jj = 0`) get `H_jj = 1` and zero weights, as in the reference.
+///
+/// # Errors
+/// [`Error::Shape`] for mismatched sizes; [`Error::InvalidParameter`] for an invalid pattern,
+/// `blocksize` 0 or not a multiple of `m`, a non-positive `percdamp`;
+/// [`Error::Quant`] (not positive definite) if the damped Hessian cannot be factored.
+pub fn sparsegpt_prune(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, pattern: Pattern, cfg: &SparseGptConfig) -> Result<SparseGptResult> {
+    if w.len() != rows * cols || hessian.cols != cols {
+        return Err(Error::Shape(format!("weight of {} values for {rows}x{cols}, Hessian for {} columns", w.len(), hessian.cols)));
+    }
+    pattern.check_cols(cols)?;
+    if cfg.blocksize == 0 {
+        return Err(invalid("blocksize", "must be positive"));
+    }
+    if let Pattern::NM { m, .. } = pattern
+        && !cfg.blocksize.is_multiple_of(m)
+    {
+        return Err(invalid("blocksize", format!("{} is not a multiple of the N:M group {m}", cfg.blocksize)));
+    }
+    if !(cfg.percdamp > 0.0 && cfg.percdamp.is_finite()) {
+        return Err(invalid("percdamp", format!("{} must be a positive fraction", cfg.percdamp)));
+    }
+    let n = cols;
+    let mut wm: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+    let mut h = hessian.h.clone();
+    for i in 0..n {
+        if h[i * n + i] == 0.0 {
+            h[i * n + i] = 1.0;
+            for r in 0..rows {
+                wm[r * n + i] = 0.0;
+            }
+        }
+    }
+    let damp = cfg.percdamp * (0..n).map(|i| h[i * n + i]).sum::<f64>() / n as f64;
+    for i in 0..n {
+        h[i * n + i] += damp;
+    }
+    let hinv = deco_quant::linalg::inverse_upper_cholesky(&h, n)?;
+
+    let mut keep = vec![true; rows * n];
+    let mut loss = 0.0f64;
+    let bs = cfg.blocksize;
+    let mut i1 = 0;
+    while i1 < n {
+        let i2 = (i1 + bs).min(n);
+        let count = i2 - i1;
+        // Block copy, transposed: w1[i * rows + r] = W[r, i1 + i].
+        let mut w1 = vec![0.0f64; count * rows];
+        for r in 0..rows {
+            for i in 0..count {
+                w1[i * rows + r] = wm[r * n + i1 + i];
+            }
+        }
+        // mask1[i * rows + r]: pruned flag of W[r, i1 + i].
+        let mut pruned1 = vec![false; count * rows];
+        if let Pattern::Unstructured(s) = pattern {
+            let k = pruned_count(s, rows * i2) - pruned_count(s, rows * i1);
+            let tmp: Vec<f64> = (0..count * rows)
+                .map(|f| {
+                    let i = f / rows;
+                    let d = hinv[(i1 + i) * n + i1 + i];
+                    w1[f] * w1[f] / (d * d)
+                })
+                .collect();
+            // Rank in the reference's flattening order (row-major W1[:, i1:i2]), ties by it.
+            let mut idx: Vec<usize> = (0..count * rows).collect();
+            let key = |f: usize| (f % rows) * count + f / rows;
+            idx.sort_by(|&a, &b| tmp[a].total_cmp(&tmp[b]).then(key(a).cmp(&key(b))));
+            for &f in &idx[..k] {
+                pruned1[f] = true;
+            }
+        }
+        let mut err1 = vec![0.0f64; count * rows];
+        for i in 0..count {
+            let col = i1 + i;
+            if let Pattern::NM { n: keep_n, m } = pattern
+                && i % m == 0
+            {
+                for r in 0..rows {
+                    let mut g: Vec<(f64, usize)> = (i..i + m)
+                        .map(|j| {
+                            let d = hinv[(i1 + j) * n + i1 + j];
+                            (w1[j * rows + r] * w1[j * rows + r] / (d * d), j)
+                        })
+                        .collect();
+                    g.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                    for &(_, j) in &g[..m - keep_n] {
+                        pruned1[j * rows + r] = true;
+                    }
+                }
+            }
+            let d = hinv[col * n + col];
+            let (head, tail) = w1.split_at_mut((i + 1) * rows);
+            let wcol = &mut head[i * rows..];
+            let e = &mut err1[i * rows..(i + 1) * rows];
+            for r in 0..rows {
+                let q = if pruned1[i * rows + r] { 0.0 } else { wcol[r] };
+                let diff = wcol[r] - q;
+                loss += diff * diff / (d * d) / 2.0;
+                e[r] = diff / d;
+                wcol[r] = q;
+            }
+            for j in i + 1..count {
+                let hij = hinv[col * n + i1 + j];
+                if hij != 0.0 {
+                    let wj = &mut tail[(j - i - 1) * rows..(j - i) * rows];
+                    for r in 0..rows {
+                        wj[r] -= e[r] * hij;
+                    }
+                }
+            }
+        }
+        for r in 0..rows {
+            for i in 0..count {
+                wm[r * n + i1 + i] = w1[i * rows + r];
+                keep[r * n + i1 + i] = !pruned1[i * rows + r];
+            }
+        }
+        if i2 < n {
+            // W[:, i2:] -= Err1 · Hinv[i1:i2, i2:]
+            for r in 0..rows {
+                let wrow = &mut wm[r * n + i2..(r + 1) * n];
+                for i in 0..count {
+                    let e = err1[i * rows + r];
+                    if e != 0.0 {
+                        let hrow = &hinv[(i1 + i) * n + i2..(i1 + i + 1) * n];
+                        for (x, &hv) in wrow.iter_mut().zip(hrow) {
+                            *x -= e * hv;
+                        }
+                    }
+                }
+            }
+        }
+        i1 = i2;
+    }
+    let weights: Vec<f32> = wm.iter().zip(&keep).map(|(&v, &k)| if k { v as f32 } else { 0.0 }).collect();
+    Ok(SparseGptResult { weights, mask: Mask { rows, cols, keep }, loss })
+}
