@@ -21,4 +21,7 @@ pub mod structured;
 pub mod unstructured;
 
 pub use error::{Error, Result};
+/// The progress-bar crate used by `deco prune` (feature `progress`).
+#[cfg(feature = "progress")]
+pub use indicatif;
 pub(crate) use error::{invalid, io_err};

@@ -1,0 +1,306 @@
+//! `deco prune`: unstructured / N:M (magnitude, Wanda, SparseGPT) and structured (heads,
+//! neurons, layers) pruning of a model, written atomically as a Hugging Face directory (or the
+//! compact sparse form).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use deco_compress::export::{write_dense_dir, write_sparse_dir};
+use deco_compress::indicatif::{ProgressBar, ProgressStyle};
+use deco_compress::mask::Pattern;
+use deco_compress::pipeline::{Method as UMethod, calibration_windows, prune_model};
+use deco_compress::sparsegpt::SparseGptConfig;
+use deco_compress::structured::{HeadMode, StructuredPlan, StructuredSpec, decoder_params, importance, total_params};
+use deco_compress::unstructured::Scope;
+use deco_formats::checkpoint::Checkpoint;
+use deco_formats::hf_export::ExportDtype;
+
+use crate::ModelArgs;
+
+/// Pruning method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PruneMethod {
+    /// Unstructured / N:M by |W| (no calibration).
+    Magnitude,
+    /// Unstructured / N:M by |W|·‖X_j‖₂ per output row (Sun et al. 2024).
+    Wanda,
+    /// Unstructured / N:M with Hessian-based mask and OBS update (Frantar & Alistarh 2023).
+    Sparsegpt,
+    /// Structured: attention heads (GQA-aware, see --head-mode).
+    Heads,
+    /// Structured: MLP intermediate channels.
+    Neurons,
+    /// Structured: whole decoder layers (block influence).
+    Layers,
+}
+
+/// Comparison group of magnitude pruning.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ScopeArg {
+    /// All weights of a linear layer together.
+    Layer,
+    /// Each output row.
+    Row,
+}
+
+/// How heads are removed under GQA.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum HeadModeArg {
+    /// Remove the same number of query heads from every KV group (KV heads stay).
+    Query,
+    /// Remove whole KV groups (the KV head and its query heads).
+    Kv,
+}
+
+/// Output format.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum FormatArg {
+    /// Hugging Face directory (model.safetensors): loads everywhere.
+    Dense,
+    /// Bitmask + nonzero values (model.sparse.safetensors): smaller; read with deco_compress::sparse.
+    Sparse,
+}
+
+/// Weight dtype of the output.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DtypeArg {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+}
+
+/// Arguments of `deco prune`.
+#[derive(Debug, Args)]
+pub struct PruneArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Method(s); structured methods combine, e.g. `--method heads,neurons --sparsity 0.34,0.6`.
+    #[arg(long, value_enum, value_delimiter = ',', required = true)]
+    method: Vec<PruneMethod>,
+    /// Fraction removed, one per method (or one for all): of each linear layer's weights
+    /// (unstructured), of the query heads per KV group / of the KV groups, of the MLP
+    /// channels, of the layers.
+    #[arg(long, value_delimiter = ',', default_value = "0.5")]
+    sparsity: Vec<f64>,
+    /// N:M semi-structured pattern for magnitude / wanda / sparsegpt (N kept of every M), e.g. 2:4.
+    #[arg(long)]
+    nm: Option<String>,
+    /// Comparison group of magnitude pruning.
+    #[arg(long, value_enum, default_value_t = ScopeArg::Layer)]
+    scope: ScopeArg,
+    /// How heads are removed under grouped-query attention.
+    #[arg(long, value_enum, default_value_t = HeadModeArg::Query)]
+    head_mode: HeadModeArg,
+    /// Calibration windows.
+    #[arg(long, default_value_t = 32)]
+    nsamples: usize,
+    /// Tokens per calibration window.
+    #[arg(long, default_value_t = 256)]
+    seqlen: usize,
+    /// Seed of the calibration window starts.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Calibration text: `wiki`, `shakespeare` (the data set's train split) or a UTF-8 file.
+    #[arg(long, default_value = "wiki")]
+    calib: String,
+    /// Use at most this many characters of the calibration text.
+    #[arg(long, default_value_t = 400_000)]
+    calib_chars: usize,
+    /// SparseGPT block size.
+    #[arg(long, default_value_t = 128)]
+    blocksize: usize,
+    /// SparseGPT dampening (fraction of the mean Hessian diagonal).
+    #[arg(long, default_value_t = 0.01)]
+    percdamp: f64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = FormatArg::Dense)]
+    format: FormatArg,
+    /// Output weight dtype.
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    dtype: DtypeArg,
+    /// Output directory (must not exist, or be empty); written atomically.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// Finds `data/REL` the way the tests and `cargo xtask fetch` lay it out.
+fn data_file(model: &Path, rel: &str) -> Result<PathBuf> {
+    let mut c = Vec::new();
+    if let Ok(d) = std::env::var("DECO_CACHE") {
+        c.push(PathBuf::from(d).join("data").join(rel));
+    }
+    c.push(PathBuf::from(".cache/data").join(rel));
+    if let Ok(d) = std::env::var("DECO_SHARED_DIR") {
+        c.push(PathBuf::from(d).join("data").join(rel));
+    }
+    c.push(PathBuf::from("../shared/data").join(rel));
+    // Beside the model: <root>/models/M -> <root>/data/REL.
+    if let Some(root) = model.parent().and_then(Path::parent) {
+        c.push(root.join("data").join(rel));
+    }
+    c.iter()
+        .find(|p| p.exists())
+        .cloned()
+        .with_context(|| format!("calibration data {rel} not found (looked in {c:?}); run `cargo xtask fetch` or pass --calib FILE"))
+}
+
+fn bar(len: usize, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len as u64);
+    if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} layers, {elapsed} (eta {eta})") {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_message(what.to_string());
+    pb
+}
+
+/// Runs the command.
+pub fn run(args: &PruneArgs) -> Result<()> {
+    let methods = &args.method;
+    let structured = |m: &PruneMethod| matches!(m, PruneMethod::Heads | PruneMethod::Neurons | PruneMethod::Layers);
+    let n_struct = methods.iter().filter(|m| structured(m)).count();
+    if n_struct != 0 && n_struct != methods.len() {
+        bail!("--method: structured (heads, neurons, layers) and unstructured methods cannot be combined in one run");
+    }
+    if n_struct == 0 && methods.len() != 1 {
+        bail!("--method: give one unstructured method");
+    }
+    let mut dedup = methods.clone();
+    dedup.sort_by_key(|m| *m as u8);
+    dedup.dedup();
+    if dedup.len() != methods.len() {
+        bail!("--method lists a method twice");
+    }
+    let sparsity: Vec<f64> = match args.sparsity.len() {
+        1 => vec![args.sparsity[0]; methods.len()],
+        n if n == methods.len() => args.sparsity.clone(),
+        n => bail!("--sparsity has {n} values for {} methods", methods.len()),
+    };
+    for &s in &sparsity {
+        if !(0.0..1.0).contains(&s) {
+            bail!("--sparsity {s} must be in [0, 1)");
+        }
+    }
+    if args.nm.is_some() && n_struct > 0 {
+        bail!("--nm applies to magnitude, wanda and sparsegpt only");
+    }
+    let pattern = match &args.nm {
+        Some(t) => match Pattern::parse(t)? {
+            p @ Pattern::NM { .. } => p,
+            Pattern::Unstructured(_) => bail!("--nm expects N:M such as 2:4, got `{t}`"),
+        },
+        None => Pattern::Unstructured(sparsity[0]),
+    };
+    if args.out.exists() && std::fs::read_dir(&args.out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        bail!("{}: output directory exists and is not empty", args.out.display());
+    }
+    let device = crate::runtime::device(&args.model)?;
+    let ckpt = Checkpoint::open(&args.model.model)?;
+    let tok = crate::runtime::load_tokenizer(&args.model.model)?;
+    let cfg = ckpt.config.clone();
+    let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ckpt.tensor(n)?) };
+
+    let needs_calib = n_struct > 0 || methods[0] != PruneMethod::Magnitude;
+    let t0 = Instant::now();
+    let windows = if needs_calib {
+        let path = match args.calib.as_str() {
+            "wiki" => data_file(&args.model.model, "wiki_train.txt")?,
+            "shakespeare" => data_file(&args.model.model, "shakespeare/train.txt")?,
+            f => PathBuf::from(f),
+        };
+        let bytes = std::fs::read(&path).with_context(|| format!("reading calibration text {}", path.display()))?;
+        let text = String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("{}: not valid UTF-8 ({e})", path.display()))?;
+        let text: String = text.chars().take(args.calib_chars).collect();
+        let ids = tok.encode_with(&text, false, true)?;
+        if args.seqlen > cfg.max_position_embeddings {
+            bail!("--seqlen {} exceeds the model context {}", args.seqlen, cfg.max_position_embeddings);
+        }
+        let w = calibration_windows(&ids, args.nsamples, args.seqlen, args.seed).with_context(|| format!("calibration text {}", path.display()))?;
+        eprintln!("calibration: {} windows x {} tokens from {}", args.nsamples, args.seqlen, path.display());
+        w
+    } else {
+        Vec::new()
+    };
+    let calib_tokens: usize = windows.iter().map(Vec::len).sum();
+    let dtype = match args.dtype {
+        DtypeArg::F32 => ExportDtype::F32,
+        DtypeArg::Bf16 => ExportDtype::Bf16,
+    };
+    let layers = cfg.num_hidden_layers;
+    if n_struct == 0 {
+        let method = match methods[0] {
+            PruneMethod::Magnitude => UMethod::Magnitude(match args.scope {
+                ScopeArg::Layer => Scope::Layer,
+                ScopeArg::Row => Scope::Row,
+            }),
+            PruneMethod::Wanda => UMethod::Wanda,
+            _ => UMethod::SparseGpt(SparseGptConfig { blocksize: args.blocksize, percdamp: args.percdamp }),
+        };
+        let pb = bar(layers, &format!("{:?} {}", methods[0], args.nm.clone().unwrap_or_else(|| format!("{}", sparsity[0]))));
+        let pruned = prune_model(&cfg, &src, &device, &windows, &method, pattern, &mut |_| pb.inc(1))?;
+        pb.finish();
+        let secs = t0.elapsed().as_secs_f64();
+        eprintln!("writing {}", args.out.display());
+        let source = pruned.source(&src);
+        match args.format {
+            FormatArg::Dense => write_dense_dir(&ckpt, &tok, &cfg, &source, &args.out, dtype)?,
+            FormatArg::Sparse => write_sparse_dir(&ckpt, &tok, &cfg, &source, &args.out, dtype)?,
+        }
+        println!(
+            "[prune] method={:?} pattern={} sparsity={:.4} calib_tokens={calib_tokens} prune_s={secs:.1} params={} out={}",
+            methods[0],
+            args.nm.clone().unwrap_or_else(|| format!("{}", sparsity[0])),
+            pruned.sparsity(),
+            total_params(&cfg),
+            args.out.display()
+        );
+    } else {
+        let mut spec = StructuredSpec {
+            head_mode: match args.head_mode {
+                HeadModeArg::Query => HeadMode::QueryPerGroup,
+                HeadModeArg::Kv => HeadMode::KvGroups,
+            },
+            ..StructuredSpec::default()
+        };
+        for (m, &s) in methods.iter().zip(&sparsity) {
+            match m {
+                PruneMethod::Heads => spec.heads = s,
+                PruneMethod::Neurons => spec.neurons = s,
+                _ => spec.layers = s,
+            }
+        }
+        let pb = bar(layers, "importance");
+        let imp = importance(&cfg, &src, &device, &windows, &mut |_| pb.inc(1))?;
+        pb.finish();
+        let plan = StructuredPlan::from_importance(&cfg, &imp, &spec)?;
+        plan.validate(&cfg)?;
+        let pcfg = plan.config(&cfg);
+        let secs = t0.elapsed().as_secs_f64();
+        let tensor = |n: &str| plan.pruned_tensor(&cfg, &src, n);
+        eprintln!("writing {}", args.out.display());
+        match args.format {
+            FormatArg::Dense => write_dense_dir(&ckpt, &tok, &pcfg, &tensor, &args.out, dtype)?,
+            FormatArg::Sparse => write_sparse_dir(&ckpt, &tok, &pcfg, &tensor, &args.out, dtype)?,
+        }
+        println!(
+            "[prune] method={} heads={}/{} kv_heads={}/{} intermediate={}/{} layers={}/{} decoder_params={}/{} params={}/{} calib_tokens={calib_tokens} prune_s={secs:.1} out={}",
+            methods.iter().map(|m| format!("{m:?}").to_lowercase()).collect::<Vec<_>>().join("+"),
+            pcfg.num_attention_heads,
+            cfg.num_attention_heads,
+            pcfg.num_key_value_heads,
+            cfg.num_key_value_heads,
+            pcfg.intermediate_size,
+            cfg.intermediate_size,
+            pcfg.num_hidden_layers,
+            cfg.num_hidden_layers,
+            decoder_params(&pcfg),
+            decoder_params(&cfg),
+            total_params(&pcfg),
+            total_params(&cfg),
+            args.out.display()
+        );
+    }
+    Ok(())
+}
