@@ -69,7 +69,8 @@ proptest! {
             }
             if let Pattern::Unstructured(_) = p {
                 // Every kept |w| ≥ every pruned |w| in the comparison group.
-                let groups: Vec<std::ops::Range<usize>> = if scope == Scope::Layer { vec![0..rows * cols] } else { (0..rows).map(|r| r * cols..(r + 1) * cols).collect() };
+                let group_len = if scope == Scope::Layer { rows * cols } else { cols };
+                let groups: Vec<std::ops::Range<usize>> = (0..rows * cols).step_by(group_len).map(|g0| g0..g0 + group_len).collect();
                 for g in groups {
                     let kept_min = g.clone().filter(|&i| m.keep[i]).map(|i| w[i].abs()).fold(f32::INFINITY, f32::min);
                     let pruned_max = g.filter(|&i| !m.keep[i]).map(|i| w[i].abs()).fold(0.0, f32::max);
