@@ -1,0 +1,116 @@
+//! `deco eval kld`: mean KL(reference ‖ model) of the next-token distributions, top-1
+//! agreement and both perplexities over the same non-overlapping windows as `deco eval ppl`.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use deco_formats::checkpoint::Checkpoint;
+use deco_model::{DenseKvCache, Llama, LogitsWanted, SeqInput};
+
+use crate::ModelArgs;
+
+/// Arguments of `deco eval kld`.
+#[derive(Debug, Args)]
+pub struct KldArgs {
+    /// The (quantized) model to evaluate, with the device options.
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The reference (base) model: GGUF file or Hugging Face directory.
+    #[arg(long)]
+    reference: PathBuf,
+    /// UTF-8 text file to score.
+    #[arg(long)]
+    text: PathBuf,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 256)]
+    seqlen: usize,
+    /// Score at most this many windows.
+    #[arg(long)]
+    max_windows: Option<usize>,
+    /// Use only the first N characters of the file (the golden protocol uses 20000).
+    #[arg(long)]
+    max_chars: Option<usize>,
+}
+
+/// `log_softmax(row)` in f64.
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln() + m;
+    row.iter().map(|&x| x as f64 - lse).collect()
+}
+
+/// `KL(p ‖ q) = Σ p (log p − log q)` from log-probabilities, in nats.
+pub fn kl(lp: &[f64], lq: &[f64]) -> f64 {
+    lp.iter().zip(lq).map(|(&a, &b)| if a == f64::NEG_INFINITY { 0.0 } else { a.exp() * (a - b) }).sum()
+}
+
+fn argmax(v: &[f64]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Runs the command.
+pub fn run(args: &KldArgs) -> Result<()> {
+    if args.seqlen < 2 {
+        bail!("--seqlen must be at least 2, got {}", args.seqlen);
+    }
+    let bytes = std::fs::read(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
+    let text = String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("{}: not valid UTF-8 ({e})", args.text.display()))?;
+    let text: String = match args.max_chars {
+        Some(n) => text.chars().take(n).collect(),
+        None => text,
+    };
+    let device = crate::runtime::device(&args.model)?;
+    let load = |p: &std::path::Path| -> Result<Llama> {
+        let ck = Checkpoint::open(p)?;
+        Ok(Llama::load(&ck, &device, None)?)
+    };
+    let reference = load(&args.reference)?;
+    let model = load(&args.model.model)?;
+    if reference.config.vocab_size != model.config.vocab_size {
+        bail!("vocabulary sizes differ: reference {}, model {}", reference.config.vocab_size, model.config.vocab_size);
+    }
+    let tok = crate::runtime::load_tokenizer(&args.reference)?;
+    let ids = tok.encode_with(&text, false, true)?;
+    let ids_model = crate::runtime::load_tokenizer(&args.model.model)?.encode_with(&text, false, true)?;
+    if ids != ids_model {
+        bail!("the two models tokenize {} differently", args.text.display());
+    }
+    let mut windows = ids.len() / args.seqlen;
+    if let Some(w) = args.max_windows {
+        windows = windows.min(w);
+    }
+    if windows == 0 {
+        bail!("{}: {} tokens is less than one window of {}", args.text.display(), ids.len(), args.seqlen);
+    }
+    let (mut kl_sum, mut nll_ref, mut nll_model, mut agree, mut n) = (0.0f64, 0.0f64, 0.0f64, 0usize, 0usize);
+    for w in 0..windows {
+        let window = &ids[w * args.seqlen..(w + 1) * args.seqlen];
+        let logits = |m: &Llama| -> Result<Vec<Vec<f32>>> {
+            let mut cache = DenseKvCache::new(m.config.num_hidden_layers);
+            Ok(m.forward(&[SeqInput { seq: 0, tokens: window }], &mut cache, LogitsWanted::All)?.logits_rows()?)
+        };
+        let (lr, lm) = (logits(&reference)?, logits(&model)?);
+        for ((a, b), &target) in lr.iter().zip(&lm).zip(&window[1..]) {
+            let (pa, pb) = (log_softmax(a), log_softmax(b));
+            kl_sum += kl(&pa, &pb);
+            nll_ref -= pa[target as usize];
+            nll_model -= pb[target as usize];
+            agree += usize::from(argmax(&pa) == argmax(&pb));
+            n += 1;
+        }
+        eprintln!("window {}/{windows}: mean KL so far {:.5}", w + 1, kl_sum / n as f64);
+    }
+    println!("tokens_scored={n} windows={windows} seqlen={}", args.seqlen);
+    println!("ppl_reference={:.4}", (nll_ref / n as f64).exp());
+    println!("ppl_model={:.4}", (nll_model / n as f64).exp());
+    println!("top1_agreement={:.4}", agree as f64 / n as f64);
+    println!("kld={:.6}", kl_sum / n as f64);
+    Ok(())
+}
