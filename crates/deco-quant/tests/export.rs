@@ -89,7 +89,7 @@ fn gptq(cfg: GptqConfig) -> impl Fn(&[f32], usize, usize) -> QuantizedTensor {
 }
 
 /// Writes a 1-layer model directory with `quantized` packed in `qcfg`'s format.
-fn write_model(dir: &PathBuf, qcfg: &QuantConfig, quantized: &BTreeMap<String, QuantizedTensor>, gptq_file_only: bool) {
+fn write_model(dir: &std::path::Path, qcfg: &QuantConfig, quantized: &BTreeMap<String, QuantizedTensor>, gptq_file_only: bool) {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let mut tensors = vec![
         ("model.embed_tokens.weight".to_string(), StTensor::f32(vec![VOCAB, HIDDEN], &randn(&mut rng, VOCAB * HIDDEN))),
@@ -112,7 +112,7 @@ fn write_model(dir: &PathBuf, qcfg: &QuantConfig, quantized: &BTreeMap<String, Q
 }
 
 /// Opens `dir` and checks every linear against `quantized` exactly.
-fn assert_round_trip(dir: &PathBuf, quantized: &BTreeMap<String, QuantizedTensor>) {
+fn assert_round_trip(dir: &std::path::Path, quantized: &BTreeMap<String, QuantizedTensor>) {
     let ck = Checkpoint::open(dir).unwrap();
     assert!(ck.quant_config().is_some());
     for (name, q) in quantized {
