@@ -5,8 +5,12 @@
 //! * `demo`   — fetch the model and chat with it through the `deco` CLI.
 //! * `test`   — fetch, then run the workspace tests (and the wgpu tier).
 //! * `bench generate` — deco vs llama.cpp prefill/decode throughput on the same GGUF.
+//! * `bench autodeco` — GSM pass@k of greedy / sampling / oracle static / AutoDeco into docs/autodeco.md.
+//! * `bench compress` — pruning results (perplexity, size, speed) into docs/compression.md.
 
+mod autodeco;
 mod bench;
+mod compress;
 mod fetch;
 mod manifest;
 mod python;
@@ -86,6 +90,52 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// AutoDeco on GSM: trains the heads (cached), then pass@k of greedy, default sampling, the
+    /// best static (T, top_p) of a grid (oracle) and AutoDeco; head overhead; meta-instructions.
+    /// Updates docs/autodeco.md.
+    Autodeco {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Problems decoded greedily (first N of gsm_eval.jsonl).
+        #[arg(long, default_value_t = 200)]
+        problems: usize,
+        /// Problems of the sampled configurations.
+        #[arg(long, default_value_t = 200)]
+        sample_problems: usize,
+        /// Samples per problem (pass@k up to n).
+        #[arg(short = 'n', long, default_value_t = 4)]
+        n: usize,
+        /// Maximum new tokens per answer.
+        #[arg(long, default_value_t = 192)]
+        max_new_tokens: usize,
+        /// Sequences decoded together.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        /// Head training steps.
+        #[arg(long, default_value_t = 400)]
+        steps: usize,
+        /// Head training examples (first N of gsm_train.jsonl).
+        #[arg(long, default_value_t = 160)]
+        train_examples: usize,
+        /// Oracle grid temperatures.
+        #[arg(long, value_delimiter = ',', default_value = "0.3,0.6,1.0")]
+        grid_temperatures: Vec<f32>,
+        /// Oracle grid top-ps.
+        #[arg(long, value_delimiter = ',', default_value = "0.8,0.95,1.0")]
+        grid_top_ps: Vec<f32>,
+        /// Problems of each grid point (n = 1).
+        #[arg(long, default_value_t = 100)]
+        grid_problems: usize,
+        /// Problems of the meta-instruction measurement.
+        #[arg(long, default_value_t = 40)]
+        meta_problems: usize,
+        /// Qwen2.5-Coder-0.5B greedy problems (0 = skip; fetches ~0.5 GB).
+        #[arg(long, default_value_t = 0)]
+        qwen_problems: usize,
+        /// Use this deco binary instead of building deco-cli (release).
+        #[arg(long, value_name = "PATH")]
+        deco_bin: Option<PathBuf>,
+    },
     /// deco vs llama.cpp: prefill and decode tok/s on SmolLM2-135M Q4_1.
     Generate {
         #[command(flatten)]
@@ -112,6 +162,33 @@ enum BenchCmd {
         #[arg(long, value_name = "PATH")]
         deco_bin: Option<PathBuf>,
     },
+    /// Pruning on SmolLM2-135M (magnitude / Wanda / SparseGPT, structured): perplexity, size,
+    /// speed; updates docs/compression.md.
+    Compress {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Calibration windows.
+        #[arg(long, default_value_t = 32)]
+        nsamples: usize,
+        /// Tokens per calibration window.
+        #[arg(long, default_value_t = 256)]
+        seqlen: usize,
+        /// Perplexity windows of 256 tokens per text (first 20,000 characters).
+        #[arg(long, default_value_t = 4)]
+        ppl_windows: usize,
+        /// CPU threads of every deco run.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Decode-speed repeats (median).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Only rows whose label contains one of these (comma-separated), e.g. "wanda,heads".
+        #[arg(long)]
+        only: Option<String>,
+        /// Use this deco binary instead of building deco-cli (release).
+        #[arg(long, value_name = "PATH")]
+        deco_bin: Option<PathBuf>,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -134,6 +211,41 @@ fn main() -> ExitCode {
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Bench {
+            which:
+                BenchCmd::Autodeco {
+                    cache,
+                    problems,
+                    sample_problems,
+                    n,
+                    max_new_tokens,
+                    batch,
+                    steps,
+                    train_examples,
+                    grid_temperatures,
+                    grid_top_ps,
+                    grid_problems,
+                    meta_problems,
+                    qwen_problems,
+                    deco_bin,
+                },
+        } => autodeco::run(&autodeco::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            problems,
+            sample_problems,
+            n,
+            max_new_tokens,
+            batch,
+            steps,
+            train_examples,
+            grid_temperatures,
+            grid_top_ps,
+            grid_problems,
+            meta_problems,
+            qwen_problems,
+            deco_bin,
+        }),
         Cmd::Fetch { cache, what } => {
             fetch::fetch(&fetch::Options {
                 cache: util::cache_dir(cache.cache_dir.as_deref()),
@@ -173,6 +285,29 @@ fn real_main() -> Result<()> {
             decode_tokens,
             skip_deco,
             skip_llama,
+            deco_bin,
+        }),
+        Cmd::Bench {
+            which:
+                BenchCmd::Compress {
+                    cache,
+                    nsamples,
+                    seqlen,
+                    ppl_windows,
+                    threads,
+                    repeats,
+                    only,
+                    deco_bin,
+                },
+        } => compress::run_bench(&compress::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            nsamples,
+            seqlen,
+            ppl_windows,
+            threads,
+            repeats,
+            only,
             deco_bin,
         }),
     }

@@ -13,6 +13,7 @@
 //! integration uses the predicted values directly, i.e. user temperature = top_p = 1).
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use deco_decoding::{
     FinishReason, LogitsProcessorList, ProcessContext, SampleOutput, Sampler, SamplerOrder, SamplingParams, StoppingCriteria,
@@ -63,6 +64,21 @@ pub struct SeqRequest {
     pub params: SamplingParams,
 }
 
+/// Where [`generate_batch`]'s time went (wall clock, seconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct BatchStats {
+    /// Model forwards (prefill and decode).
+    pub forward_s: f64,
+    /// AutoDeco heads, statistics included (0 without heads).
+    pub heads_s: f64,
+    /// Processor chains and sampling.
+    pub sample_s: f64,
+    /// Tokens generated.
+    pub tokens: usize,
+    /// Batched decode forwards.
+    pub decode_steps: usize,
+}
+
 /// A finished sequence of [`generate_batch`].
 #[derive(Debug, Clone)]
 pub struct SeqResult {
@@ -103,6 +119,23 @@ pub fn generate_batch(
     order: SamplerOrder,
     sink: &mut dyn FnMut(usize, &[u32]) -> bool,
 ) -> Result<Vec<SeqResult>> {
+    generate_batch_timed(lm, heads, requests, eos_token_ids, max_batch, order, sink).map(|(r, _)| r)
+}
+
+/// [`generate_batch`] that also reports where the time went.
+///
+/// # Errors
+/// As [`generate_batch`].
+pub fn generate_batch_timed(
+    lm: &mut dyn CausalLm,
+    heads: Option<&HostHeads>,
+    requests: &[SeqRequest],
+    eos_token_ids: &[u32],
+    max_batch: usize,
+    order: SamplerOrder,
+    sink: &mut dyn FnMut(usize, &[u32]) -> bool,
+) -> Result<(Vec<SeqResult>, BatchStats)> {
+    let mut stats = BatchStats::default();
     if let Some(h) = heads
         && h.config().vocab_size != lm.vocab_size()
     {
@@ -138,7 +171,9 @@ pub fn generate_batch(
             lm.remove(i as u64);
         }
         let inputs: Vec<(u64, &[u32])> = unique.iter().map(|&i| (i as u64, wave[i].prompt.as_slice())).collect();
+        let tf = Instant::now();
         let rows = lm.forward(&inputs, LogitsWanted::Last, heads.is_some())?;
+        stats.forward_s += tf.elapsed().as_secs_f64();
         let mut first: HashMap<usize, (Vec<f32>, Vec<f32>)> = HashMap::new();
         for (k, &i) in unique.iter().enumerate() {
             let hid = if heads.is_some() { rows.hidden[k].clone() } else { Vec::new() };
@@ -172,13 +207,24 @@ pub fn generate_batch(
                 let ctx = ProcessContext::new(&r.prompt, &a.output.tokens, eos_token_ids);
                 let (out, head): (SampleOutput, Option<HeadOutput>) = match heads {
                     Some(h) => {
+                        let th = Instant::now();
                         let ho = h.predict(&a.hidden, &a.logits)?;
+                        stats.heads_s += th.elapsed().as_secs_f64();
+                        let ts = Instant::now();
                         let p = combine(&r.params, ho);
                         let procs = LogitsProcessorList::from_params(&p, order)?;
-                        (a.sampler.sample_with(&procs, &ctx, &mut a.logits)?, Some(ho))
+                        let o = a.sampler.sample_with(&procs, &ctx, &mut a.logits)?;
+                        stats.sample_s += ts.elapsed().as_secs_f64();
+                        (o, Some(ho))
                     }
-                    None => (a.sampler.sample(&ctx, &mut a.logits)?, None),
+                    None => {
+                        let ts = Instant::now();
+                        let o = a.sampler.sample(&ctx, &mut a.logits)?;
+                        stats.sample_s += ts.elapsed().as_secs_f64();
+                        (o, None)
+                    }
                 };
+                stats.tokens += 1;
                 let token = out.token;
                 if let Some(ho) = head {
                     let p = combine(&r.params, ho);
@@ -220,7 +266,10 @@ pub fn generate_batch(
             }
             let toks: Vec<[u32; 1]> = next.iter().map(|&(_, t)| [t]).collect();
             let inputs: Vec<(u64, &[u32])> = next.iter().zip(&toks).map(|(&(s, _), t)| (s, t.as_slice())).collect();
+            let tf = Instant::now();
             let mut rows = lm.forward(&inputs, LogitsWanted::Last, heads.is_some())?;
+            stats.forward_s += tf.elapsed().as_secs_f64();
+            stats.decode_steps += 1;
             for (k, a) in active.iter_mut().enumerate() {
                 a.logits = std::mem::take(&mut rows.logits[k]);
                 if heads.is_some() {
@@ -229,21 +278,24 @@ pub fn generate_batch(
             }
         }
     }
-    results
+    let results = results
         .into_iter()
         .map(|r| r.ok_or_else(|| Error::Data("internal: a request did not finish".into())))
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    Ok((results, stats))
 }
 
 /// Writes a trace as CSV (`step,token,piece,temperature,top_p,final_temperature,final_top_p`),
-/// atomically. `piece(token)` gives the token's text (quoted in the CSV).
+/// atomically, one line per token. `piece(token)` gives the token's text; it is written quoted,
+/// with control characters escaped as in Rust (`\n`) and quotes doubled.
 ///
 /// # Errors
 /// [`Error::Io`].
 pub fn write_trace_csv(path: &std::path::Path, trace: &[TraceRow], piece: &dyn Fn(u32) -> String) -> Result<()> {
     let mut s = String::from("step,token,piece,temperature,top_p,final_temperature,final_top_p\n");
     for r in trace {
-        let p = piece(r.token).replace('"', "\"\"");
+        // One line per token: control characters are escaped (`\n`), quotes doubled.
+        let p = piece(r.token).escape_debug().to_string().replace("\\\"", "\"").replace('"', "\"\"");
         s.push_str(&format!(
             "{},{},\"{}\",{:.6},{:.6},{:.6},{:.6}\n",
             r.step, r.token, p, r.temperature, r.top_p, r.final_temperature, r.final_top_p

@@ -10,6 +10,7 @@
 //! - [`train`]: training on a frozen base with burn autodiff and Adam.
 //! - [`decode`]: decoding with the heads (per-token `T × temperature`, `clamp(P × top_p)`).
 //! - [`eval`]: GSM answer extraction and the unbiased pass@k estimator.
+//! - [`plot`]: SVG charts of loss curves and traces.
 
 pub mod data;
 pub mod decode;
@@ -17,6 +18,7 @@ pub mod error;
 pub mod eval;
 pub mod heads;
 pub mod loss;
+pub mod plot;
 pub mod stats;
 pub mod train;
 

@@ -156,6 +156,18 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens (benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+    /// AutoDeco heads directory (`deco autodeco train --out`): each token is sampled with
+    /// temperature = T × --temperature and top_p = clamp(P × --top-p, 0, 1), T and P predicted by
+    /// the heads. Implies --strategy sample (user temperature 1) unless --strategy greedy.
+    #[arg(long)]
+    autodeco: Option<PathBuf>,
+    /// With --autodeco: write each generated token's (token, T, P, final temperature, final
+    /// top_p) to this CSV file.
+    #[arg(long, requires = "autodeco")]
+    trace_decoding: Option<PathBuf>,
+    /// With --trace-decoding: also plot T and P per token to this SVG file.
+    #[arg(long, requires = "trace_decoding")]
+    trace_plot: Option<PathBuf>,
 }
 
 fn load_second(path: &std::path::Path, model: &Llama) -> Result<Llama> {
@@ -240,7 +252,12 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if args.n == 0 {
         bail!("-n must be at least 1");
     }
-    let strategy = args.strategy.unwrap_or(if args.temperature > 0.0 { Strategy::Sample } else { Strategy::Greedy });
+    let strategy = args
+        .strategy
+        .unwrap_or(if args.temperature > 0.0 || args.autodeco.is_some() { Strategy::Sample } else { Strategy::Greedy });
+    if args.autodeco.is_some() && !matches!(strategy, Strategy::Greedy | Strategy::Sample) {
+        bail!("--autodeco works with --strategy sample or greedy, not {strategy:?}");
+    }
     let temperature = match strategy {
         Strategy::Greedy => 0.0,
         Strategy::Sample if args.temperature == 0.0 => 1.0,
@@ -328,6 +345,58 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             }
             extra = format!(" forward_calls={}", out.forward_calls);
             (total, None)
+        }
+        Strategy::Greedy | Strategy::Sample if args.autodeco.is_some() => {
+            let dir = args.autodeco.as_ref().context("--autodeco")?;
+            let heads = deco_autodeco::HostHeads::load(dir)?;
+            if heads.config().hidden_size != model.config.hidden_size {
+                bail!("{}: heads for hidden size {}, the model has {}", dir.display(), heads.config().hidden_size, model.config.hidden_size);
+            }
+            let mut total = 0;
+            let mut first = None;
+            let mut trace_all = Vec::new();
+            let mut session = LlamaSession::new(&model);
+            for i in 0..args.n {
+                let p_i = SamplingParams { seed: Some(args.seed.wrapping_add(i as u64)), ..params.clone() };
+                if args.n > 1 {
+                    println!("--- sample {i}");
+                }
+                let mut p = new_printer()?;
+                let req = [deco_autodeco::decode::SeqRequest { prompt: prompt_ids.clone(), params: p_i }];
+                let mut out = deco_autodeco::decode::generate_batch(
+                    &mut session,
+                    Some(&heads),
+                    &req,
+                    &eos,
+                    1,
+                    deco_decoding::SamplerOrder::HuggingFace,
+                    &mut |_, t: &[u32]| p.push(t),
+                )?;
+                first = first.or(p.first_token_at);
+                p.finish()?;
+                let r = out.remove(0);
+                if args.logprobs.is_some() {
+                    for s in &r.generation.samples {
+                        eprintln!("{}", serde_json::to_string(s)?);
+                    }
+                }
+                total += r.generation.tokens.len();
+                let mean = |f: &dyn Fn(&deco_autodeco::decode::TraceRow) -> f32| {
+                    r.trace.iter().map(|x| f64::from(f(x))).sum::<f64>() / r.trace.len().max(1) as f64
+                };
+                extra = format!(" autodeco_mean_T={:.4} autodeco_mean_P={:.4}", mean(&|x| x.temperature), mean(&|x| x.top_p));
+                trace_all.extend(r.trace);
+            }
+            if let Some(path) = &args.trace_decoding {
+                let piece = |t: u32| tok.decode(&[t], false).unwrap_or_default();
+                deco_autodeco::decode::write_trace_csv(path, &trace_all, &piece)?;
+                if let Some(svg) = &args.trace_plot {
+                    let t: Vec<(f64, f64)> = trace_all.iter().enumerate().map(|(i, r)| (i as f64, f64::from(r.temperature))).collect();
+                    let pp: Vec<(f64, f64)> = trace_all.iter().enumerate().map(|(i, r)| (i as f64, f64::from(r.top_p))).collect();
+                    deco_autodeco::plot::line_chart_svg(svg, "AutoDeco per-token parameters", "generated token", "value", &[("temperature T", t), ("top-p P", pp)])?;
+                }
+            }
+            (total, first)
         }
         Strategy::Greedy | Strategy::Sample => {
             let mut total = 0;

@@ -3,9 +3,13 @@
 //! Every subcommand that takes `--model` accepts a GGUF file or a Hugging Face directory
 //! (`config.json`, `model.safetensors`, `tokenizer.json`).
 
+mod autodeco;
 mod convert;
 mod generate;
 mod ppl;
+mod prune;
+mod quantize;
+mod kld;
 mod runtime;
 mod serve;
 
@@ -41,6 +45,16 @@ enum Command {
     /// Evaluate a model.
     #[command(subcommand)]
     Eval(EvalCommand),
+    /// Prune a model: magnitude / Wanda / SparseGPT (unstructured or N:M) or structured heads,
+    /// neurons, layers; writes a Hugging Face directory (or the sparse form).
+    Prune(prune::PruneArgs),
+    /// AutoDeco: learned per-token temperature and top-p heads (train them here; decode with
+    /// `deco generate --autodeco HEADS`).
+    #[command(subcommand)]
+    Autodeco(autodeco::AutodecoCommand),
+    /// Quantize a model (RTN, GPTQ, NF4) and write it as GPTQ / AWQ / compressed-tensors / GGUF /
+    /// fake-quantized f32.
+    Quantize(quantize::QuantizeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -48,6 +62,8 @@ enum EvalCommand {
     /// Perplexity over non-overlapping windows of a text file (no BOS; each window scored on
     /// its seqlen-1 next-token predictions). Prints `ppl=<value>` last.
     Ppl(ppl::PplArgs),
+    /// Mean KL(reference || model) per token, top-1 agreement and both perplexities.
+    Kld(kld::KldArgs),
 }
 
 /// Options shared by the commands that load a model.
@@ -86,6 +102,10 @@ fn main() -> ExitCode {
         Command::Inspect { file } => inspect(&file),
         Command::Convert(args) => convert::run(&args),
         Command::Eval(EvalCommand::Ppl(args)) => ppl::run(&args),
+        Command::Prune(args) => prune::run(&args),
+        Command::Autodeco(cmd) => autodeco::run(&cmd),
+        Command::Eval(EvalCommand::Kld(args)) => kld::run(&args),
+        Command::Quantize(args) => quantize::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,363 @@
+//! `deco autodeco train`: train AutoDeco heads on a frozen base model.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use deco_autodeco::data::{ChatExample, TokenPool, chat_example, collect_tokens, read_gsm_jsonl, strip_calculator};
+use deco_autodeco::heads::AutoDecoConfig;
+use deco_autodeco::loss::LossConfig;
+use deco_autodeco::train::{FrozenHead, TrainConfig, train, write_log_csv};
+use deco_formats::chat_template::ChatTemplate;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::ModelArgs;
+
+/// AutoDeco subcommands.
+#[derive(Debug, Subcommand)]
+pub enum AutodecoCommand {
+    /// Train temperature / top-p heads on a frozen base (GSM-style JSONL: `question`, `answer`).
+    Train(TrainArgs),
+    /// GSM accuracy (pass@k) of one decoding configuration, optionally with AutoDeco heads.
+    /// Prints one JSON summary line last.
+    Eval(EvalArgs),
+}
+
+/// Options of `deco autodeco eval`.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// JSONL problems with `question` and `answer` (`#### N`) or `final`.
+    #[arg(long)]
+    data: PathBuf,
+    /// AutoDeco heads directory (omit for static decoding).
+    #[arg(long)]
+    heads: Option<PathBuf>,
+    /// Static temperature (0 = greedy); with --heads, multiplies the predicted T.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Static top-p; with --heads, multiplies the predicted P.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Samples per problem (pass@k for k = 1, 2, 4, ... up to n).
+    #[arg(short = 'n', long, default_value_t = 1)]
+    n: usize,
+    /// Problems evaluated (the first N).
+    #[arg(long, default_value_t = 200)]
+    limit: usize,
+    /// Skip the first N problems.
+    #[arg(long, default_value_t = 0)]
+    offset: usize,
+    /// Maximum new tokens per answer.
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Base seed (sample j of problem i uses seed + 1000 i + j).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Text appended to each question (meta-instructions such as "Please answer with low randomness.").
+    #[arg(long)]
+    instruction: Option<String>,
+    /// Write every output as JSON lines here.
+    #[arg(long)]
+    outputs: Option<PathBuf>,
+    /// Label of this configuration in the summary.
+    #[arg(long, default_value = "")]
+    label: String,
+}
+
+/// Options of `deco autodeco train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// JSONL training data with `question` and `answer` fields (e.g. gsm_train.jsonl).
+    #[arg(long)]
+    data: PathBuf,
+    /// Output heads directory (autodeco_config.json + autodeco_heads.safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 400)]
+    steps: usize,
+    /// Positions per step.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    learning_rate: f64,
+    /// Seed (example order, head init, position sampling, masking).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Training examples taken from the file (its first N; 0 = all).
+    #[arg(long, default_value_t = 160)]
+    max_examples: usize,
+    /// Held-out examples (the next N after the training ones).
+    #[arg(long, default_value_t = 16)]
+    heldout_examples: usize,
+    /// Probability of dropping an easy token (base argmax = label) from the temperature loss.
+    #[arg(long, default_value_t = 0.6)]
+    easy_token_drop_prob: f64,
+    /// Soft top-p steepness α.
+    #[arg(long, default_value_t = 30.0)]
+    alpha: f32,
+    /// Do not weight each position's loss by the base's probability of the label.
+    #[arg(long)]
+    no_base_prob_weight: bool,
+    /// Also apply easy-token masking to the top-p loss.
+    #[arg(long)]
+    mask_top_p: bool,
+    /// LayerNorm before the temperature head.
+    #[arg(long)]
+    temp_layer_norm: bool,
+    /// Top-p head without the four distribution statistics.
+    #[arg(long)]
+    no_stats: bool,
+    /// Keep GSM8K calculator annotations `<<a*b=c>>` in the answers (stripped by default).
+    #[arg(long)]
+    keep_calculator: bool,
+    /// Held-out evaluation period (steps).
+    #[arg(long, default_value_t = 50)]
+    eval_every: usize,
+    /// Loss curve CSV (default: OUT/loss.csv).
+    #[arg(long)]
+    log_csv: Option<PathBuf>,
+    /// Loss curve SVG plot (default: OUT/loss.svg).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+/// Runs an AutoDeco subcommand.
+pub fn run(cmd: &AutodecoCommand) -> Result<()> {
+    match cmd {
+        AutodecoCommand::Train(a) => run_train(a),
+        AutodecoCommand::Eval(a) => run_eval(a),
+    }
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} {elapsed_precise} eta {eta} {prefix}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}
+
+fn run_train(a: &TrainArgs) -> Result<()> {
+    let tc = TrainConfig {
+        steps: a.steps,
+        batch_size: a.batch_size,
+        learning_rate: a.learning_rate,
+        seed: a.seed,
+        easy_token_drop_prob: a.easy_token_drop_prob,
+        loss: LossConfig { alpha: a.alpha, weight_by_base_prob: !a.no_base_prob_weight, mask_top_p: a.mask_top_p },
+        eval_every: a.eval_every,
+        max_heldout: 512,
+    };
+    tc.validate()?;
+    let items = read_gsm_jsonl(&a.data)?;
+    if items.is_empty() {
+        bail!("{}: no examples", a.data.display());
+    }
+    let n_train = if a.max_examples == 0 { items.len() } else { a.max_examples.min(items.len()) };
+    let n_held = a.heldout_examples.min(items.len() - n_train);
+    let (model, tok) = crate::runtime::load(&a.model)?;
+    let source = tok.chat_template().context("the model has no chat template (AutoDeco trains on chat-formatted data)")?;
+    let template = ChatTemplate::new(source)?;
+    let mut examples: Vec<ChatExample> = Vec::with_capacity(n_train + n_held);
+    for (i, it) in items.iter().take(n_train + n_held).enumerate() {
+        let answer = if a.keep_calculator { it.answer.clone() } else { strip_calculator(&it.answer) };
+        examples.push(chat_example(&tok, &template, &it.question, &answer).with_context(|| format!("{}: example {}", a.data.display(), i + 1))?);
+    }
+    let t0 = Instant::now();
+    let pb = bar((n_train + n_held) as u64, "hidden");
+    let mut cb = |d: usize, _t: usize| pb.set_position(d as u64);
+    let train_pool = collect_tokens(&model, &examples[..n_train], &mut cb)?;
+    let held_pool = if n_held > 0 {
+        let mut cb2 = |d: usize, _t: usize| pb.set_position((n_train + d) as u64);
+        collect_tokens(&model, &examples[n_train..], &mut cb2)?
+    } else {
+        TokenPool { hidden_size: model.config.hidden_size, ..Default::default() }
+    };
+    pb.finish();
+    let collect_s = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "[autodeco] {} training positions from {n_train} examples, {} held-out from {n_held}; base argmax accuracy {:.3}; hidden states in {collect_s:.1}s",
+        train_pool.len(),
+        held_pool.len(),
+        train_pool.argmax_accuracy()
+    );
+    let mut cfg = AutoDecoConfig::new(model.config.hidden_size, model.config.vocab_size);
+    cfg.use_enhanced_features = !a.no_stats;
+    cfg.temp_layer_norm = a.temp_layer_norm;
+    cfg.base_model = a.model.model.file_name().map(|s| s.to_string_lossy().into_owned());
+    let head = FrozenHead { weight: model.lm_head().clone(), device: model.device().clone() };
+    let pb = bar(a.steps as u64, "train");
+    let t1 = Instant::now();
+    let mut last_held = String::new();
+    let (heads, log) = train(&cfg, &tc, &train_pool, &held_pool, &head, &mut |r| {
+        if !r.heldout_temp.is_nan() {
+            last_held = format!("held-out temp {:.4} top_p {:.4}", r.heldout_temp, r.heldout_top_p);
+        }
+        pb.set_position(r.step as u64);
+        pb.set_prefix(format!("loss {:.4}+{:.4} T {:.3} P {:.3} | {last_held}", r.train_temp, r.train_top_p, r.mean_temperature, r.mean_top_p));
+    })?;
+    pb.finish();
+    let train_s = t1.elapsed().as_secs_f64();
+    heads.save(&a.out)?;
+    let csv = a.log_csv.clone().unwrap_or_else(|| a.out.join("loss.csv"));
+    write_log_csv(&csv, &log)?;
+    let svg = a.plot.clone().unwrap_or_else(|| a.out.join("loss.svg"));
+    let pts = |f: &dyn Fn(&deco_autodeco::train::LogRow) -> f64| log.iter().map(|r| (r.step as f64, f(r))).filter(|p| p.1.is_finite()).collect::<Vec<_>>();
+    deco_autodeco::plot::line_chart_svg(
+        &svg,
+        "AutoDeco training",
+        "step",
+        "loss",
+        &[
+            ("train temp", pts(&|r| r.train_temp)),
+            ("train top-p", pts(&|r| r.train_top_p)),
+            ("held-out temp", pts(&|r| r.heldout_temp)),
+            ("held-out top-p", pts(&|r| r.heldout_top_p)),
+        ],
+    )?;
+    let first = log.first().map(|r| r.heldout_temp + r.heldout_top_p).unwrap_or(f64::NAN);
+    let last = log.last().map(|r| r.heldout_temp + r.heldout_top_p).unwrap_or(f64::NAN);
+    eprintln!(
+        "[autodeco] params={} bytes={} steps={} train_positions={} train_s={train_s:.1} heldout_loss_before={first:.4} heldout_loss_after={last:.4}",
+        cfg.num_params(),
+        heads.num_bytes(),
+        a.steps,
+        train_pool.len()
+    );
+    println!("{}", a.out.display());
+    Ok(())
+}
+
+fn run_eval(a: &EvalArgs) -> Result<()> {
+    use deco_autodeco::decode::{SeqRequest, generate_batch_timed};
+    use deco_autodeco::eval::{is_correct, pass_at_k};
+    use deco_decoding::{SamplerOrder, SamplingParams};
+
+    if a.n == 0 || a.batch == 0 || a.max_new_tokens == 0 || a.limit == 0 {
+        bail!("-n, --batch, --max-new-tokens and --limit must be at least 1");
+    }
+    let items = read_gsm_jsonl(&a.data)?;
+    let items: Vec<_> = items.into_iter().skip(a.offset).take(a.limit).collect();
+    if items.is_empty() {
+        bail!("{}: no problems after --offset {}", a.data.display(), a.offset);
+    }
+    let (model, tok) = crate::runtime::load(&a.model)?;
+    let heads = match &a.heads {
+        Some(d) => {
+            let h = deco_autodeco::HostHeads::load(d)?;
+            if h.config().hidden_size != model.config.hidden_size || h.config().vocab_size != model.config.vocab_size {
+                bail!("{}: heads for hidden {} / vocab {}, the model has {} / {}", d.display(), h.config().hidden_size, h.config().vocab_size, model.config.hidden_size, model.config.vocab_size);
+            }
+            Some(h)
+        }
+        None => None,
+    };
+    let source = tok.chat_template().context("the model has no chat template")?;
+    let template = ChatTemplate::new(source)?;
+    let greedy = a.temperature == 0.0;
+    let base = SamplingParams {
+        do_sample: Some(!greedy),
+        temperature: Some(a.temperature),
+        top_p: Some(a.top_p),
+        max_new_tokens: Some(a.max_new_tokens),
+        ..Default::default()
+    };
+    base.validate()?;
+    let mut requests = Vec::new();
+    let mut refs = Vec::new();
+    for (i, it) in items.iter().enumerate() {
+        let q = match &a.instruction {
+            Some(ins) => format!("{} {ins}", it.question),
+            None => it.question.clone(),
+        };
+        let text = deco_autodeco::data::chat_prompt(&tok, &template, None, &q)?;
+        let prompt = tok.encode(&text, true)?;
+        let reference = it.r#final.clone().unwrap_or_else(|| it.answer.rsplit("####").next().unwrap_or("").trim().to_string());
+        refs.push(reference);
+        for j in 0..a.n {
+            let seed = a.seed.wrapping_add(1000 * (a.offset + i) as u64 + j as u64);
+            requests.push(SeqRequest { prompt: prompt.clone(), params: SamplingParams { seed: Some(seed), ..base.clone() } });
+        }
+    }
+    let eos = tok.eos_token_ids().to_vec();
+    let pb = bar(requests.len() as u64, if a.label.is_empty() { "eval" } else { &a.label });
+    let t0 = Instant::now();
+    let mut done = 0u64;
+    let (results, stats) = generate_batch_timed(
+        &mut deco_generate::LlamaSession::new(&model),
+        heads.as_ref(),
+        &requests,
+        &eos,
+        a.batch,
+        SamplerOrder::HuggingFace,
+        &mut |_, _| false,
+    )?;
+    done += results.len() as u64;
+    pb.set_position(done);
+    pb.finish();
+    let wall = t0.elapsed().as_secs_f64();
+    let mut out_lines = String::new();
+    let mut correct = vec![0usize; items.len()];
+    let (mut sum_t, mut sum_p, mut n_tr) = (0.0f64, 0.0f64, 0usize);
+    for (k, r) in results.iter().enumerate() {
+        let i = k / a.n;
+        let text = tok.decode(&r.generation.tokens, true)?;
+        let ok = is_correct(&text, &refs[i]);
+        correct[i] += usize::from(ok);
+        for t in &r.trace {
+            sum_t += f64::from(t.temperature);
+            sum_p += f64::from(t.top_p);
+            n_tr += 1;
+        }
+        if a.outputs.is_some() {
+            out_lines.push_str(&serde_json::to_string(&serde_json::json!({
+                "problem": a.offset + i, "sample": k % a.n, "correct": ok, "reference": refs[i],
+                "extracted": deco_autodeco::eval::extract_answer(&text), "tokens": r.generation.tokens.len(), "text": text,
+            }))?);
+            out_lines.push('\n');
+        }
+    }
+    if let Some(p) = &a.outputs {
+        deco_autodeco::write_atomic(p, out_lines.as_bytes())?;
+    }
+    let mut ks = vec![1usize];
+    while ks.last().copied().unwrap_or(1) * 2 <= a.n {
+        let next = ks.last().copied().unwrap_or(1) * 2;
+        ks.push(next);
+    }
+    if !ks.contains(&a.n) {
+        ks.push(a.n);
+    }
+    let mut pass = serde_json::Map::new();
+    for &k in &ks {
+        let v = correct.iter().map(|&c| pass_at_k(a.n, c, k)).sum::<f64>() / items.len() as f64;
+        pass.insert(format!("pass@{k}"), serde_json::json!(v));
+    }
+    let summary = serde_json::json!({
+        "label": a.label,
+        "model": a.model.model.file_name().map(|s| s.to_string_lossy().into_owned()),
+        "problems": items.len(), "n": a.n, "temperature": a.temperature, "top_p": a.top_p,
+        "autodeco": a.heads.is_some(), "instruction": a.instruction,
+        "pass": pass,
+        "mean_T": if n_tr > 0 { serde_json::json!(sum_t / n_tr as f64) } else { serde_json::Value::Null },
+        "mean_P": if n_tr > 0 { serde_json::json!(sum_p / n_tr as f64) } else { serde_json::Value::Null },
+        "tokens": stats.tokens, "wall_s": wall, "tok_s": stats.tokens as f64 / wall,
+        "forward_s": stats.forward_s, "heads_s": stats.heads_s, "sample_s": stats.sample_s,
+        "heads_overhead": if stats.forward_s > 0.0 { stats.heads_s / (stats.forward_s + stats.sample_s) } else { 0.0 },
+    });
+    println!("{summary}");
+    Ok(())
+}
