@@ -194,7 +194,8 @@ pub fn run_bench(o: &Options) -> Result<()> {
         };
         let (w, s) = if storage { (f64::NAN, f64::NAN) } else { (ppl(&bin, &out, &wiki, o)?, ppl(&bin, &out, &shakes, o)?) };
         let decode_tok_s = if structured { Some(decode_speed(&bin, &out, o)?) } else { None };
-        rows.push(Row { label, kind, pattern: args[args.len() - 1].clone(), wiki: w, shakespeare: s, params, file_mib, calib_tokens, minutes, decode_tok_s });
+        let pattern = ["--nm", "--sparsity"].iter().find_map(|f| args.iter().position(|a| a == f).and_then(|i| args.get(i + 1))).cloned().unwrap_or_default();
+        rows.push(Row { label, kind, pattern, wiki: w, shakespeare: s, params, file_mib, calib_tokens, minutes, decode_tok_s });
         let _ = fs::remove_dir_all(&out);
         eprintln!("{}", table(&rows));
     }
