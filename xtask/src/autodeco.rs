@@ -134,20 +134,46 @@ pub fn run(o: &Options) -> Result<()> {
     a.extend([s("--temperature"), s(0)]);
     let greedy = r.eval("greedy", &model, &a)?;
     rows.push(("greedy".into(), format!("{} problems, n = 1", o.problems), greedy.clone()));
-    let greedy_small = if o.problems != o.sample_problems {
-        let mut a = common(1, o.sample_problems);
-        a.extend([s("--temperature"), s(0)]);
-        let v = r.eval("greedy-small", &model, &a)?;
-        rows.push(("greedy".into(), format!("{} problems, n = 1", o.sample_problems), v.clone()));
-        v
-    } else {
-        greedy.clone()
-    };
+    if o.problems > o.sample_problems {
+        // Greedy on the sampled configurations' problems, from the same outputs.
+        let outputs = fs::read_to_string(r.results.join("greedy.outputs.jsonl")).unwrap_or_default();
+        let (mut c, mut n) = (0usize, 0usize);
+        for l in outputs.lines() {
+            if let Ok(v) = serde_json::from_str::<Value>(l)
+                && v["problem"].as_u64().is_some_and(|p| (p as usize) < o.sample_problems)
+            {
+                n += 1;
+                c += usize::from(v["correct"].as_bool().unwrap_or(false));
+            }
+        }
+        if n > 0 {
+            let mut v = greedy.clone();
+            v["pass"] = json!({"pass@1": c as f64 / n as f64});
+            rows.push(("greedy".into(), format!("first {n} problems, n = 1 (same run)"), v));
+        }
+    }
     // Default sampling.
     let mut a = common(o.n, o.sample_problems);
     a.extend([s("--temperature"), s(1), s("--top-p"), s(1)]);
     let default = r.eval("default", &model, &a)?;
     rows.push(("default sampling (T = 1, top_p = 1)".into(), format!("{} problems, n = {}", o.sample_problems, o.n), default.clone()));
+    // AutoDeco.
+    let mut a = common(o.n, o.sample_problems);
+    a.extend([s("--temperature"), s(1), s("--top-p"), s(1), s("--heads")]);
+    a.push(heads.display().to_string());
+    let auto = r.eval("autodeco", &model, &a)?;
+    rows.push(("AutoDeco (user T = 1, top_p = 1)".into(), format!("{} problems, n = {}", o.sample_problems, o.n), auto.clone()));
+    // Meta-instructions.
+    let mut meta = Vec::new();
+    for (name, ins) in [("none", None), ("low randomness", Some("Please answer with low randomness.")), ("creative", Some("Be creative."))] {
+        let mut a = vec![s("-n"), s(1), s("--limit"), s(o.meta_problems), s("--max-new-tokens"), s(64), s("--batch"), s(o.batch), s("--heads")];
+        a.push(heads.display().to_string());
+        if let Some(i) = ins {
+            a.extend([s("--instruction"), s(i)]);
+        }
+        let v = r.eval(&format!("meta-{}", name.replace(' ', "-")), &model, &a)?;
+        meta.push((name, ins, v));
+    }
     // Oracle grid (n = 1 on grid_problems), then the best with n.
     let mut best: Option<(f32, f32, f64)> = None;
     let mut grid = Vec::new();
@@ -168,23 +194,6 @@ pub fn run(o: &Options) -> Result<()> {
     a.extend([s("--temperature"), s(bt), s("--top-p"), s(bp)]);
     let oracle = r.eval("oracle", &model, &a)?;
     rows.push((format!("best static (T = {bt}, top_p = {bp}; oracle)"), format!("{} problems, n = {}", o.sample_problems, o.n), oracle.clone()));
-    // AutoDeco.
-    let mut a = common(o.n, o.sample_problems);
-    a.extend([s("--temperature"), s(1), s("--top-p"), s(1), s("--heads")]);
-    a.push(heads.display().to_string());
-    let auto = r.eval("autodeco", &model, &a)?;
-    rows.push(("AutoDeco (user T = 1, top_p = 1)".into(), format!("{} problems, n = {}", o.sample_problems, o.n), auto.clone()));
-    // Meta-instructions.
-    let mut meta = Vec::new();
-    for (name, ins) in [("none", None), ("low randomness", Some("Please answer with low randomness.")), ("creative", Some("Be creative."))] {
-        let mut a = vec![s("-n"), s(1), s("--limit"), s(o.meta_problems), s("--max-new-tokens"), s(64), s("--batch"), s(o.batch), s("--heads")];
-        a.push(heads.display().to_string());
-        if let Some(i) = ins {
-            a.extend([s("--instruction"), s(i)]);
-        }
-        let v = r.eval(&format!("meta-{}", name.replace(' ', "-")), &model, &a)?;
-        meta.push((name, ins, v));
-    }
     // Qwen (optional).
     let mut qwen_rows = Vec::new();
     if o.qwen_problems > 0 {
@@ -194,7 +203,7 @@ pub fn run(o: &Options) -> Result<()> {
         a.extend([s("--temperature"), s(0)]);
         qwen_rows.push(("Qwen2.5-Coder-0.5B greedy", r.eval("qwen-greedy", &q, &a)?));
     }
-    let md = render(o, &rows, &grid, &meta, &qwen_rows, &greedy_small, &root);
+    let md = render(o, &rows, &grid, &meta, &qwen_rows, &root);
     let docs = util::workspace_root().join("docs");
     fs::create_dir_all(docs.join("autodeco"))?;
     let loss_svg = heads.join("loss.svg");
@@ -219,7 +228,7 @@ pub fn run(o: &Options) -> Result<()> {
     Ok(())
 }
 
-fn render(o: &Options, rows: &[(String, String, Value)], grid: &[(f32, f32, f64)], meta: &[(&str, Option<&str>, Value)], qwen: &[(&str, Value)], greedy_small: &Value, root: &Path) -> String {
+fn render(o: &Options, rows: &[(String, String, Value)], grid: &[(f32, f32, f64)], meta: &[(&str, Option<&str>, Value)], qwen: &[(&str, Value)], root: &Path) -> String {
     let mut ks = vec![1usize];
     while ks.last().copied().unwrap_or(1) * 2 <= o.n {
         ks.push(ks.last().copied().unwrap_or(1) * 2);
@@ -249,7 +258,6 @@ fn render(o: &Options, rows: &[(String, String, Value)], grid: &[(f32, f32, f64)
         let f = |key: &str| v[key].as_f64().map_or("–".to_string(), |x| format!("{x:.3}"));
         md.push_str(&format!(" {} | {} | {:.1} |\n", f("mean_T"), f("mean_P"), v["tok_s"].as_f64().unwrap_or(f64::NAN)));
     }
-    let _ = greedy_small;
     md.push_str(&format!("\nOracle grid ({} problems, n = 1, seed 777), pass@1:\n\n| T \\ top_p |", o.grid_problems));
     for p in &o.grid_top_ps {
         md.push_str(&format!(" {p} |"));

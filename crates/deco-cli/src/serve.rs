@@ -41,6 +41,10 @@ pub struct ServeArgs {
     /// Context length to serve (default: the model's).
     #[arg(long)]
     max_model_len: Option<usize>,
+    /// AutoDeco heads directory: every sampled token uses the heads' temperature and top-p
+    /// (`T × temperature`, `clamp(P × top_p)`); greedy requests stay greedy.
+    #[arg(long)]
+    autodeco: Option<std::path::PathBuf>,
 }
 
 /// Runs the server until ctrl-c / SIGTERM, then drains in-flight requests.
@@ -69,7 +73,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         ..EngineConfig::default()
     };
     let max_context = model.max_context();
-    let (engine, join) = deco_serve::spawn_engine(model, tokenizer.clone(), config)?;
+    let heads = args.autodeco.as_deref().map(deco_autodeco::HostHeads::load).transpose()?;
+    let (engine, join) = deco_serve::spawn_engine_with(model, tokenizer.clone(), config, heads)?;
     let state = Arc::new(ServerState { engine, tokenizer, template, model_name: model_name.clone() });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {

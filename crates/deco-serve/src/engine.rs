@@ -29,6 +29,8 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use crate::paged_cache::{CacheShape, PagedKvCache};
 use crate::scheduler::{SchedSeq, Scheduler, SchedulerConfig};
 use crate::{Error, Result};
+use deco_autodeco::HostHeads;
+use deco_decoding::{LogitsProcessorList, SamplerOrder};
 
 /// Engine settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -338,6 +340,9 @@ struct Engine {
     seqs: HashMap<SeqId, SeqState>,
     next_seq: SeqId,
     eos: Vec<u32>,
+    /// AutoDeco heads: when present, every sampled token uses the predicted temperature and
+    /// top-p (`T × temperature`, `clamp(P × top_p)`; greedy requests stay greedy).
+    autodeco: Option<HostHeads>,
 }
 
 /// Starts the engine thread for `model`; returns the handle and the thread's join handle (it
@@ -347,6 +352,33 @@ struct Engine {
 /// [`Error::InvalidRequest`] for an invalid cache geometry; [`Error::Io`] if the thread cannot
 /// be spawned.
 pub fn spawn_engine(model: Llama, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    spawn_engine_with(model, tokenizer, config, None)
+}
+
+/// [`spawn_engine`] with AutoDeco heads: every sampled token of every request is drawn with the
+/// heads' per-token temperature and top-p combined with the request's
+/// ([`deco_autodeco::decode::combine`]); greedy requests stay greedy.
+///
+/// # Errors
+/// As [`spawn_engine`], and [`Error::InvalidRequest`] for heads of another hidden size or
+/// vocabulary.
+pub fn spawn_engine_with(
+    model: Llama,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    autodeco: Option<HostHeads>,
+) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    if let Some(h) = &autodeco
+        && (h.config().hidden_size != model.config.hidden_size || h.config().vocab_size != model.config.vocab_size)
+    {
+        return Err(Error::InvalidRequest(format!(
+            "AutoDeco heads for hidden size {} / vocabulary {}, the model has {} / {}",
+            h.config().hidden_size,
+            h.config().vocab_size,
+            model.config.hidden_size,
+            model.config.vocab_size
+        )));
+    }
     let cfg = &model.config;
     let shape = CacheShape {
         n_layers: model.num_layers(),
@@ -380,6 +412,7 @@ pub fn spawn_engine(model: Llama, tokenizer: Arc<Tokenizer>, config: EngineConfi
         seqs: HashMap::new(),
         next_seq: 1,
         eos,
+        autodeco,
     };
     let join = std::thread::Builder::new().name("deco-engine".into()).spawn(move || engine.run())?;
     Ok((handle, join))
@@ -496,9 +529,20 @@ impl Engine {
             self.metrics.prompt_tokens_computed.fetch_add(prompt_part as u64, Ordering::Relaxed);
         }
         let inputs: Vec<SeqInput<'_>> = plan.chunks.iter().map(|c| SeqInput { seq: c.seq, tokens: &c.tokens }).collect();
-        let out = self.model.forward(&inputs, &mut self.cache, LogitsWanted::Last).and_then(|o| o.logits_rows());
+        let with_hidden = self.autodeco.is_some();
+        let out = self.model.forward(&inputs, &mut self.cache, LogitsWanted::Last).and_then(|o| {
+            let logits = o.logits_rows()?;
+            let hidden = if with_hidden {
+                let [rows, h] = o.hidden.dims();
+                let flat = deco_model::calibrate::to_host(o.hidden)?;
+                (0..rows).map(|r| flat[r * h..(r + 1) * h].to_vec()).collect()
+            } else {
+                Vec::new()
+            };
+            Ok((logits, hidden))
+        });
         self.metrics.steps.fetch_add(1, Ordering::Relaxed);
-        let rows = match out {
+        let (rows, hidden_rows) = match out {
             Ok(r) => r,
             Err(e) => {
                 self.metrics.step_errors.fetch_add(1, Ordering::Relaxed);
@@ -510,7 +554,7 @@ impl Engine {
                 return;
             }
         };
-        for (c, row) in plan.chunks.iter().zip(rows) {
+        for (ci, (c, row)) in plan.chunks.iter().zip(rows).enumerate() {
             self.sched.computed(c.seq, c.tokens.len());
             if !c.samples {
                 continue;
@@ -552,7 +596,7 @@ impl Engine {
             }
             for sid in targets {
                 let mut row = row.clone();
-                if let Err(e) = self.sample_one(sid, &mut row) {
+                if let Err(e) = self.sample_one(sid, &mut row, hidden_rows.get(ci).map(Vec::as_slice)) {
                     self.fail(req_id, e.to_string());
                     break;
                 }
@@ -560,10 +604,19 @@ impl Engine {
         }
     }
 
-    fn sample_one(&mut self, sid: SeqId, row: &mut [f32]) -> Result<()> {
+    fn sample_one(&mut self, sid: SeqId, row: &mut [f32], hidden: Option<&[f32]>) -> Result<()> {
         let Some(s) = self.seqs.get_mut(&sid) else { return Ok(()) };
         let Some(r) = self.reqs.get(&s.req) else { return Ok(()) };
-        let out = s.sampler.sample(&ProcessContext::new(&r.prompt, &s.generated, &self.eos), row)?;
+        let ctx = ProcessContext::new(&r.prompt, &s.generated, &self.eos);
+        let out = match (&self.autodeco, hidden) {
+            (Some(heads), Some(h)) if !r.params.is_greedy() => {
+                let predicted = heads.predict(h, row)?;
+                let p = deco_autodeco::decode::combine(&r.params, predicted);
+                let processors = LogitsProcessorList::from_params(&p, SamplerOrder::HuggingFace)?;
+                s.sampler.sample_with(&processors, &ctx, row)?
+            }
+            _ => s.sampler.sample(&ctx, row)?,
+        };
         s.generated.push(out.token);
         self.metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
         let n_gen = s.generated.len();

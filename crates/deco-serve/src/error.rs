@@ -35,6 +35,9 @@ pub enum Error {
     /// Socket errors of the HTTP server.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// AutoDeco heads failed (shape mismatch with the model).
+    #[error(transparent)]
+    AutoDeco(#[from] deco_autodeco::Error),
 }
 
 /// `Result` with [`Error`].

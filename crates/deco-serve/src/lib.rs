@@ -19,7 +19,7 @@ pub mod scheduler;
 pub mod server;
 
 pub use block_pool::{BlockId, BlockPool, PrefixKey};
-pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Metrics, TokenInfo, spawn_engine};
+pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Metrics, TokenInfo, spawn_engine, spawn_engine_with};
 pub use error::{Error, Result};
 pub use paged_cache::{CacheShape, PagedKvCache};
 pub use scheduler::{Chunk, SchedSeq, Scheduler, SchedulerConfig, StepPlan};
