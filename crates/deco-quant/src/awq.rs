@@ -7,7 +7,7 @@
 //! the input RMSNorm with the attention block as the objective, gate/up through the post-attention
 //! RMSNorm with the MLP as objective, down through up_proj).
 
-use crate::scheme::{Granularity, Scheme, fake_quant};
+use crate::scheme::{Granularity, Scheme, check_bits, fake_quant_ragged};
 use crate::{Error, Result};
 
 /// Per-input-channel mean absolute activation `mean_t |x[t, j]|` (llm-awq `get_act_scale`).
@@ -36,8 +36,10 @@ pub fn scales_for_ratio(x_mean: &[f32], ratio: f64) -> Vec<f32> {
 /// `Q(W · diag(s)) · diag(s)⁻¹` for a `[rows, cols]` weight: the weight as the scaled layer sees
 /// it after quantization, expressed back in the unscaled input basis.
 ///
+/// Groups that do not divide `cols` are ragged ([`crate::scheme::quantize_rtn_ragged`]).
+///
 /// # Errors
-/// As [`fake_quant`].
+/// As [`fake_quant_ragged`].
 pub fn scaled_fake_quant(w: &[f32], rows: usize, cols: usize, s: &[f32], scheme: &Scheme) -> Result<Vec<f32>> {
     let mut ws = w.to_vec();
     for r in 0..rows {
@@ -45,7 +47,7 @@ pub fn scaled_fake_quant(w: &[f32], rows: usize, cols: usize, s: &[f32], scheme:
             ws[r * cols + c] *= s[c];
         }
     }
-    let mut q = fake_quant(&ws, rows, cols, scheme)?;
+    let mut q = fake_quant_ragged(&ws, rows, cols, scheme)?;
     for r in 0..rows {
         for c in 0..cols {
             q[r * cols + c] /= s[c];
@@ -107,10 +109,11 @@ pub fn search_scale(
 /// Clipping search (llm-awq `auto_clip_layer`): for every output row and group, the clip value
 /// `max|w| · (1 - i/n_grid)`, `i < max_shrink · n_grid`, whose quantized group output
 /// `x_g · clamp(w_g)ᵀ` has the least MSE over the `tokens` inputs `x` (`[tokens, cols]`).
-/// Returns the clip values `[rows, groups]`.
+/// Returns the clip values `[rows, groups]`, `groups = ceil(cols / group_size)` (the last group
+/// ragged when the size does not divide `cols`).
 ///
 /// # Errors
-/// Invalid scheme or shapes.
+/// Invalid bits, group size 0, shapes.
 #[allow(clippy::too_many_arguments)] // llm-awq's `auto_clip_layer` parameters, one to one
 pub fn search_clip(
     w: &[f32],
@@ -122,28 +125,31 @@ pub fn search_clip(
     n_grid: usize,
     max_shrink: f64,
 ) -> Result<Vec<f32>> {
-    scheme.validate(cols)?;
+    check_bits(scheme.bits)?;
     if w.len() != rows * cols || x.len() != tokens * cols {
         return Err(Error::Shape("search_clip: weight or input size".into()));
     }
-    let gs = match scheme.granularity {
-        Granularity::PerGroup(g) => g,
+    let gs_full = match scheme.granularity {
+        Granularity::PerGroup(0) => return Err(crate::invalid("group_size", "must be positive")),
+        Granularity::PerGroup(g) => g.min(cols),
         _ => cols,
     };
-    let groups = cols / gs;
+    let groups = cols.div_ceil(gs_full);
     let row_scheme = Scheme { granularity: Granularity::PerChannel, ..*scheme };
     let mut best_val = vec![0.0f32; rows * groups];
     let steps = ((max_shrink * n_grid as f64) as usize).max(1);
-    let mut xg = vec![0.0f32; tokens * gs];
-    let mut wg = vec![0.0f32; rows * gs];
     let mut org = vec![0.0f32; tokens * rows];
     let mut out = vec![0.0f32; tokens * rows];
     for g in 0..groups {
+        let gs = gs_full.min(cols - g * gs_full);
+        let c0 = g * gs_full;
+        let mut xg = vec![0.0f32; tokens * gs];
+        let mut wg = vec![0.0f32; rows * gs];
         for t in 0..tokens {
-            xg[t * gs..(t + 1) * gs].copy_from_slice(&x[t * cols + g * gs..t * cols + (g + 1) * gs]);
+            xg[t * gs..(t + 1) * gs].copy_from_slice(&x[t * cols + c0..t * cols + c0 + gs]);
         }
         for r in 0..rows {
-            wg[r * gs..(r + 1) * gs].copy_from_slice(&w[r * cols + g * gs..r * cols + (g + 1) * gs]);
+            wg[r * gs..(r + 1) * gs].copy_from_slice(&w[r * cols + c0..r * cols + c0 + gs]);
         }
         sgemm_abt(&xg, &wg, tokens, gs, rows, &mut org);
         let org_max: Vec<f32> = (0..rows).map(|r| wg[r * gs..(r + 1) * gs].iter().fold(0.0f32, |m, v| m.max(v.abs()))).collect();
@@ -157,7 +163,7 @@ pub fn search_clip(
                     *v = v.clamp(-m, m);
                 }
             }
-            let q = fake_quant(&clamped, rows, gs, &row_scheme)?;
+            let q = fake_quant_ragged(&clamped, rows, gs, &row_scheme)?;
             sgemm_abt(&xg, &q, tokens, gs, rows, &mut out);
             let mut err = vec![0.0f64; rows];
             for t in 0..tokens {
@@ -177,10 +183,12 @@ pub fn search_clip(
     Ok(best_val)
 }
 
-/// Clamps every group of `w` (`[rows, cols]`) to `±clip[r, g]` (llm-awq `apply_clip`).
-pub fn apply_clip(w: &mut [f32], rows: usize, cols: usize, clip: &[f32]) {
+/// Clamps every group of `w` (`[rows, cols]`) to `±clip[r, g]` (llm-awq `apply_clip`); group
+/// `g` holds columns `g·group_size ..` (`group_size = cols` for per-channel clip values, as
+/// [`search_clip`] returns them; `clip` is `[rows, ceil(cols / group_size)]`).
+pub fn apply_clip(w: &mut [f32], rows: usize, cols: usize, group_size: usize, clip: &[f32]) {
     let groups = clip.len() / rows.max(1);
-    let gs = cols / groups.max(1);
+    let gs = group_size.max(1);
     for r in 0..rows {
         for c in 0..cols {
             let m = clip[r * groups + c / gs];
@@ -195,5 +203,29 @@ pub(crate) fn sgemm_abt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, out:
     // SAFETY: bounds asserted above; strides describe row-major a, transposed b, row-major out.
     unsafe {
         matrixmultiply::sgemm(m, k, n, 1.0, a.as_ptr(), k as isize, 1, b.as_ptr(), 1, k as isize, 0.0, out.as_mut_ptr(), n as isize, 1);
+    }
+}
+
+/// Options of whole-model AWQ ([`crate::pipeline::Method::Awq`]), llm-awq's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AwqConfig {
+    /// Grid points of the scale exponent search (`n_grid = 20` in `_search_module_scale`).
+    pub n_grid: usize,
+    /// Run the clipping search after scaling (`mse_range`, on by default).
+    pub clip: bool,
+    /// Largest clip shrink (`max_shrink = 0.5` in `auto_clip_layer`).
+    pub max_shrink: f64,
+    /// Calibration tokens (evenly subsampled) of the clipping search (`n_sample_token = 512`).
+    pub clip_tokens: usize,
+    /// Calibration windows (the first ones) on which the scale search evaluates its block loss;
+    /// the activation statistics `mean|x|` use all windows. llm-awq evaluates the loss on all
+    /// its 128 × 512 tokens; a few windows keep the 20-point search affordable on a CPU
+    /// (4 windows of 256 tokens by default).
+    pub search_windows: usize,
+}
+
+impl Default for AwqConfig {
+    fn default() -> Self {
+        Self { n_grid: 20, clip: true, max_shrink: 0.5, clip_tokens: 512, search_windows: 4 }
     }
 }

@@ -2,8 +2,8 @@
 //! compressed-tensors `pack-quantized`, GGUF Q8_0 / Q4_0 / Q4_1, and "fake" (fake-quantized f32)
 //! Hugging Face directories.
 //!
-//! [`quantize_linears`] quantizes every decoder linear of a model layer by layer (RTN or GPTQ)
-//! and keeps the integer form of each ([`QuantizedTensor`]); [`write_packed_dir`] packs them with
+//! [`quantize_linears`] returns the integer form of each decoder linear ([`QuantizedTensor`]) from
+//! the layer-by-layer loop of [`crate::pipeline::quantize_model`]; [`write_packed_dir`] packs them with
 //! [`deco_formats::quantized::encode`] into a directory that
 //! [`deco_formats::checkpoint::Checkpoint::open`] reads back (dequantizing on load), and that
 //! AutoGPTQ / AutoAWQ / compressed-tensors loaders read as their own format. [`write_gguf_model`]
@@ -14,85 +14,31 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
 use deco_formats::checkpoint::{hf_tensor_names, hf_to_gguf_name, permute_qk};
 use deco_formats::config::{Architecture, ModelConfig};
 use deco_formats::ggml::{self, GgmlType};
 use deco_formats::gguf::{GgufFile, MetadataValue, TensorToWrite, write_gguf};
 use deco_formats::quantized::{IntLinear, QuantConfig, StTensor, encode, write_safetensors_dir};
 use deco_formats::tokenizer::Tokenizer;
-use deco_model::calibrate::{Calibrator, LayerWeights, Linear, to_host};
+use deco_model::calibrate::Linear;
 
-use crate::gptq::{Hessian, gptq_quantize};
-use crate::pipeline::{Method, TensorFn};
-use crate::scheme::{Granularity, QuantizedTensor, Scheme, check_bits, find_params, quantize_rtn, quantize_value};
+use crate::pipeline::{Method, TensorFn, quantize_model};
+use crate::scheme::{QuantizedTensor, Scheme};
 use crate::{Error, Result, invalid};
 
-/// Round-to-nearest quantization like [`quantize_rtn`], but a per-group scheme whose group size
-/// does not divide `cols` gets AutoGPTQ's ragged groups: `ceil(cols / group_size)` groups,
-/// `g_idx[c] = c / group_size`, the last group shorter (AutoGPTQ `QuantLinear` allocates
-/// `ceil(infeatures / group_size)` groups). When the size divides `cols` the result is exactly
-/// [`quantize_rtn`]'s.
-///
-/// # Errors
-/// [`Error::InvalidParameter`] for unsupported bits or group size 0; [`Error::Shape`] if
-/// `w.len() != rows * cols`.
-pub fn quantize_rtn_ragged(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
-    let gs = match scheme.granularity {
-        Granularity::PerGroup(g) if g > 0 && !cols.is_multiple_of(g) => g,
-        _ => return quantize_rtn(w, rows, cols, scheme),
-    };
-    check_bits(scheme.bits)?;
-    if w.len() != rows * cols {
-        return Err(Error::Shape(format!("{} values for a {rows}x{cols} matrix", w.len())));
-    }
-    let groups = cols.div_ceil(gs);
-    let maxq = scheme.maxq();
-    let mut scales = Vec::with_capacity(rows * groups);
-    let mut zeros = Vec::with_capacity(rows * groups);
-    let mut codes = Vec::with_capacity(rows * cols);
-    for r in 0..rows {
-        let row = &w[r * cols..(r + 1) * cols];
-        for g in 0..groups {
-            let run = &row[g * gs..((g + 1) * gs).min(cols)];
-            let (s, z) = find_params(run.iter().copied(), scheme.bits, scheme.sym);
-            scales.push(s);
-            zeros.push(z);
-            codes.extend(run.iter().map(|&x| quantize_value(x, s, z, maxq)));
-        }
-    }
-    Ok(QuantizedTensor {
-        rows,
-        cols,
-        bits: scheme.bits,
-        sym: scheme.sym,
-        group_size: gs,
-        codes,
-        scales,
-        zeros,
-        g_idx: (0..cols).map(|c| (c / gs) as u32).collect(),
-        param_rows: rows,
-    })
-}
-
-fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
-    let g = x.clone().transpose().matmul(x.clone());
-    Ok(to_host(g)?.iter().map(|&v| v as f64).collect())
-}
+pub use crate::scheme::quantize_rtn_ragged;
 
 /// Quantizes every decoder linear of a model and keeps the integer forms, keyed by transformers
-/// weight name (`model.layers.{i}.self_attn.q_proj.weight`, ...).
-///
-/// RTN uses [`quantize_rtn_ragged`] (so a group size of 128 works on SmolLM2's 576 inputs, as in
-/// AutoGPTQ). GPTQ runs the layer-by-layer, true-sequential loop of
-/// [`crate::pipeline::quantize_model`] (q/k/v → o → gate/up → down, each layer's inputs from the
-/// already-quantized layers before it) with [`gptq_quantize`]; `windows` are the calibration
-/// token windows. `progress(layer)` is called after each layer.
+/// weight name (`model.layers.{i}.self_attn.q_proj.weight`, ...): the `quantized` map of
+/// [`crate::pipeline::quantize_model`] (the same layer-by-layer loop; RTN with AutoGPTQ's ragged
+/// groups, GPTQ true-sequential). `progress(layer)` is called after each layer.
 ///
 /// # Errors
-/// [`Error::InvalidParameter`] for NF4 (not an integer scheme; use `quantize_model`) and bad
-/// parameters (GPTQ: a group size that does not divide a layer's input dimension), missing
-/// tensors, empty calibration for GPTQ.
+/// [`Error::InvalidParameter`] naming `method` for NF4, SmoothQuant and LLM.int8() (no integer
+/// codes with zero points; write them as fake-quantized f32) and for AWQ (its scales are folded
+/// into the norms, which this map cannot carry: use `quantize_model` and
+/// [`crate::pipeline::QuantizedModel::source`]); otherwise `quantize_model`'s errors.
 pub fn quantize_linears(
     cfg: &ModelConfig,
     tensor: &TensorFn<'_>,
@@ -102,63 +48,10 @@ pub fn quantize_linears(
     scheme: &Scheme,
     progress: &mut dyn FnMut(usize),
 ) -> Result<BTreeMap<String, QuantizedTensor>> {
-    let name = |li: usize, l: Linear| format!("model.layers.{li}.{}.weight", l.hf_suffix());
-    let mut out = BTreeMap::new();
     match method {
-        Method::Nf4 => Err(invalid("method", "NF4 has no integer codes with zero points; export it as fake-quantized f32")),
-        Method::Rtn => {
-            for li in 0..cfg.num_hidden_layers {
-                let lw = LayerWeights::fetch(cfg, li, tensor)?;
-                for l in Linear::ALL {
-                    let (rows, cols) = l.dims(cfg);
-                    out.insert(name(li, l), quantize_rtn_ragged(lw.linear(l), rows, cols, scheme)?);
-                }
-                progress(li);
-            }
-            Ok(out)
-        }
-        Method::Gptq(g) => {
-            if windows.is_empty() {
-                return Err(Error::Calibration("GPTQ needs calibration windows".into()));
-            }
-            let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
-            let c = Calibrator::new(cfg, device, &lens)?;
-            let (_, embed) = tensor("model.embed_tokens.weight")?;
-            let mut x = c.embed(&embed, windows)?;
-            for li in 0..cfg.num_hidden_layers {
-                let mut lw = LayerWeights::fetch(cfg, li, tensor)?;
-                let n = c.tokens();
-                let mut quant = |lw: &mut LayerWeights, inp: &Tensor<2>, ls: &[Linear]| -> Result<()> {
-                    let (_, cols) = ls[0].dims(cfg);
-                    let mut h = Hessian::new(cols);
-                    h.add_gram(&gram(inp)?, n)?;
-                    for &l in ls {
-                        let (rows, cols) = l.dims(cfg);
-                        let r = gptq_quantize(lw.linear(l), rows, cols, &h, g)?;
-                        *lw.linear_mut(l) = r.q.dequantize();
-                        out.insert(name(li, l), r.q);
-                    }
-                    Ok(())
-                };
-                let dl = c.upload(&lw);
-                let xn = c.attn_in(&dl, x.clone());
-                quant(&mut lw, &xn, &[Linear::Q, Linear::K, Linear::V])?;
-                let dl = c.upload(&lw);
-                let a = c.attention(&dl, xn, None);
-                quant(&mut lw, &a, &[Linear::O])?;
-                let dl = c.upload(&lw);
-                let x2 = c.attn_residual(&dl, x, a, None);
-                let xn2 = c.mlp_in(&dl, x2.clone());
-                quant(&mut lw, &xn2, &[Linear::Gate, Linear::Up])?;
-                let dl = c.upload(&lw);
-                let hmid = c.swiglu_out(&dl, xn2, None);
-                quant(&mut lw, &hmid, &[Linear::Down])?;
-                let dl = c.upload(&lw);
-                x = c.mlp_residual(&dl, x2, hmid, None);
-                progress(li);
-            }
-            Ok(out)
-        }
+        Method::Rtn | Method::Gptq(_) => Ok(quantize_model(cfg, tensor, device, windows, method, scheme, progress)?.quantized),
+        Method::Awq(_) => Err(invalid("method", "AWQ folds scales into the norms; use pipeline::quantize_model and its source()")),
+        _ => Err(invalid("method", "NF4, SmoothQuant and LLM.int8() have no integer codes with zero points; export them as fake-quantized f32")),
     }
 }
 
@@ -259,7 +152,8 @@ pub fn write_packed_dir(
 
 /// Writes a Hugging Face directory with the given f32 linears (fake-quantized weights) in place
 /// of the model's, everything else from `tensor`; no `quantization_config` (it loads as a plain
-/// f32 model). Atomic like [`write_packed_dir`].
+/// f32 model), plus the `extra` files (name, contents; e.g. `deco_act_quant.json`). Atomic like
+/// [`write_packed_dir`].
 ///
 /// # Errors
 /// Missing tensors, a linear whose length does not match its shape, I/O errors.
@@ -268,6 +162,7 @@ pub fn write_fake_dir(
     tensor: &TensorFn<'_>,
     tok: &Tokenizer,
     linears: &HashMap<String, Vec<f32>>,
+    extra: &[(&str, String)],
     out_dir: &Path,
 ) -> Result<ExportStats> {
     let mut tensors = Vec::new();
@@ -283,7 +178,8 @@ pub fn write_fake_dir(
         tensors.push((name, StTensor::f32(shape, &data)));
     }
     let config = serde_json::to_string_pretty(&cfg.to_hf_json("float32")).unwrap_or_default();
-    let files = [("config.json", config), ("generation_config.json", generation_config(cfg, tok))];
+    let mut files = vec![("config.json", config), ("generation_config.json", generation_config(cfg, tok))];
+    files.extend(extra.iter().cloned());
     write_safetensors_dir(out_dir, &tensors, &files, &|d| tok.save_hf(d))?;
     Ok(ExportStats { bytes: dir_size(out_dir), linears: linears.len() })
 }

@@ -116,8 +116,14 @@ pub struct GptqResult {
 /// and `g_idx` maps each original column to its group; with `static_groups` groups are the
 /// original consecutive column runs, parameters from the unmodified weights.
 ///
+/// A `group_size` that does not divide `cols` gives AutoGPTQ's ragged groups:
+/// `ceil(cols / group_size)` groups, the last one shorter (in quantization order: with
+/// `desc_act` the short group holds the columns of smallest `H_ii`). AutoGPTQ allocates
+/// `ceil(infeatures / group_size)` groups in `QuantLinear` and its `fasterquant` slices
+/// `W[:, i:i + groupsize]`, which is short at the end.
+///
 /// # Errors
-/// Invalid `bits` / `group_size` (must divide `cols`) / `blocksize` / `damp_percent`,
+/// Invalid `bits` / `group_size` (0) / `blocksize` / `damp_percent`,
 /// shape mismatches, [`Error::NotPositiveDefinite`].
 pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg: &GptqConfig) -> Result<GptqResult> {
     crate::scheme::check_bits(cfg.bits)?;
@@ -136,9 +142,6 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     }
     let gs = match cfg.group_size {
         Some(0) => return Err(invalid("group_size", "must be positive")),
-        Some(g) if !cols.is_multiple_of(g) => {
-            return Err(invalid("group_size", format!("{g} does not divide the input dimension {cols}")));
-        }
         Some(g) => g,
         None => cols,
     };
@@ -160,7 +163,7 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     };
     // Static groups: parameters per original group from the (dead-column-zeroed) weights.
     let static_params: Option<Vec<Vec<(f32, f32)>>> = (grouped && cfg.static_groups)
-        .then(|| (0..n / gs).map(|g| (0..rows).map(|r| row_params(&wm, r, g * gs, (g + 1) * gs)).collect()).collect());
+        .then(|| (0..n.div_ceil(gs)).map(|g| (0..rows).map(|r| row_params(&wm, r, g * gs, ((g + 1) * gs).min(n))).collect()).collect());
     let perm: Vec<usize> = if cfg.desc_act {
         let mut p: Vec<usize> = (0..n).collect();
         // torch.argsort(descending=True) is not stable; a stable order is one valid choice.
@@ -224,7 +227,7 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
                 } else {
                     if col % gs == 0 {
                         for (r, c) in cur.iter_mut().enumerate() {
-                            *c = row_params(&wm, r, col, col + gs);
+                            *c = row_params(&wm, r, col, (col + gs).min(n));
                         }
                         group_params.push(cur.clone());
                     }

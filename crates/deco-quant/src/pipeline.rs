@@ -1,32 +1,74 @@
-//! Whole-model quantization of a Llama-family checkpoint, layer by layer
-//! (GPTQ `llama.py` `llama_sequential`: each layer's inputs come from the already-quantized
-//! layers before it; inside a layer, `true_sequential` order q/k/v → o → gate/up → down).
+//! Whole-model quantization of a Llama-family checkpoint, layer by layer.
 //!
-//! Output: fake-quantized f32 weights under transformers names (feed them to
-//! `deco_model::Llama::load_from`), plus the integer form of each quantized linear.
+//! One loop ([`quantize_model`]) serves every method:
+//!
+//! - RTN and NF4 quantize each linear on its own (no calibration);
+//! - GPTQ follows GPTQ `llama.py` `llama_sequential`: each layer's inputs come from the
+//!   already-quantized layers before it; inside a layer, `true_sequential` order
+//!   q/k/v → o → gate/up → down;
+//! - AWQ follows llm-awq `run_awq`: per layer, on the full-precision inputs, the scale searches
+//!   (q/k/v through `input_layernorm` with the attention block as objective, gate/up through
+//!   `post_attention_layernorm` with the MLP, o through v_proj when their shapes match, down
+//!   through up_proj with down_proj alone), the scales folded into the norms / preceding linear,
+//!   then the clipping search (all linears but q/k), then RTN of the scaled and clipped weights;
+//!   the next layer's inputs are the full-precision layer outputs;
+//! - SmoothQuant (W8A8) follows smoothquant `smooth_lm` + `quantize_llama_like`: migration
+//!   scales from the per-channel activation maxima folded into both RMSNorms, per-channel absmax
+//!   int8 weights, per-token int8 activations at run time ([`crate::smooth::ActQuant`]);
+//! - LLM.int8() quantizes weights vector-wise (absmax int8 rows) and keeps outlier activation
+//!   columns in floating point at run time (threshold, or columns found on calibration data).
+//!
+//! Output: fake-quantized f32 weights under transformers names (feed [`QuantizedModel::source`]
+//! to `deco_model::Llama::load_from`), the integer form of each linear where the method has one
+//! (RTN, GPTQ, AWQ), the tensors changed by scale folding (norms), and the run-time activation
+//! scheme of W8A8 / LLM.int8().
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use burn::tensor::{Device, Tensor};
 use deco_formats::config::ModelConfig;
-use deco_model::calibrate::{Calibrator, LayerWeights, Linear, to_host};
+use deco_model::calibrate::{Calibrator, LayerWeights, Linear, Site, to_host};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::awq::{AwqConfig, act_mean_abs, apply_clip, search_clip, search_scale};
 use crate::gptq::{GptqConfig, Hessian, gptq_quantize};
 use crate::nf4::Nf4Tensor;
-use crate::scheme::{Granularity, Scheme, quantize_rtn};
+use crate::scheme::{Granularity, QuantizedTensor, Scheme, absmax_int8_rows, check_bits, quantize_rtn_ragged};
+use crate::smooth::{ActMode, ActQuant, act_max_abs, outlier_columns_auto, smooth_scales};
 use crate::{Error, Result, invalid};
 
 /// Quantization method of [`quantize_model`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Method {
-    /// Round to nearest.
+    /// Round to nearest (ragged last group allowed, as AutoGPTQ).
     Rtn,
     /// GPTQ with the given options (`bits`, `group_size`, `sym` come from them).
     Gptq(GptqConfig),
     /// NF4, block size `group_size` (64), double quantization.
     Nf4,
+    /// AWQ scale + clip search, then RTN with the scheme (Lin et al. 2024).
+    Awq(AwqConfig),
+    /// SmoothQuant W8A8 with migration strength `alpha` in `[0, 1]` (Xiao et al. 2023, eq. 4).
+    SmoothQuant {
+        /// Migration strength α (0.5 in the paper for most models).
+        alpha: f64,
+    },
+    /// LLM.int8(): vector-wise int8 weights, outlier activation columns in float.
+    LlmInt8 {
+        /// Outlier threshold on `|x|` (6.0 in the paper); used when `auto` is false.
+        threshold: f32,
+        /// Fixed outlier columns from calibration (`max|X_j| > mean + 3σ`) instead of the
+        /// per-batch threshold.
+        auto: bool,
+    },
+}
+
+impl Method {
+    /// Whether the method needs calibration windows.
+    pub fn needs_calibration(&self) -> bool {
+        matches!(self, Method::Gptq(_) | Method::Awq(_) | Method::SmoothQuant { .. } | Method::LlmInt8 { auto: true, .. })
+    }
 }
 
 /// A tensor source: transformers name → (shape, row-major f32).
@@ -35,8 +77,15 @@ pub type TensorFn<'a> = dyn Fn(&str) -> deco_model::Result<(Vec<usize>, Vec<f32>
 /// The result of [`quantize_model`].
 #[derive(Debug, Clone)]
 pub struct QuantizedModel {
-    /// Every decoder linear weight, fake-quantized, `[out, in]`, under its transformers name.
+    /// Every decoder linear weight, fake-quantized, `[out, in]`, under its transformers name (in
+    /// the basis of the stored model: after AWQ / SmoothQuant scale folding).
     pub linears: HashMap<String, Vec<f32>>,
+    /// Integer forms of the linears (RTN, GPTQ, AWQ; empty for NF4, W8A8, LLM.int8()).
+    pub quantized: BTreeMap<String, QuantizedTensor>,
+    /// Other tensors changed by the method (RMSNorm weights with folded AWQ / SmoothQuant scales).
+    pub other: HashMap<String, Vec<f32>>,
+    /// Run-time activation quantization (SmoothQuant, LLM.int8()).
+    pub act_quant: Option<ActQuant>,
     /// Total bits of the quantized linears' storage (codes and parameters).
     pub storage_bits: f64,
     /// Number of quantized weights.
@@ -49,10 +98,10 @@ impl QuantizedModel {
         self.storage_bits / self.weights.max(1) as f64
     }
 
-    /// A tensor source that serves the quantized linears and falls back to `base` for
-    /// everything else (embeddings, norms).
+    /// A tensor source that serves the quantized linears and changed norms, and falls back to
+    /// `base` for everything else (embeddings, other norms).
     pub fn source<'a>(&'a self, base: &'a TensorFn<'a>) -> impl Fn(&str) -> deco_model::Result<(Vec<usize>, Vec<f32>)> + 'a {
-        move |name: &str| match self.linears.get(name) {
+        move |name: &str| match self.linears.get(name).or_else(|| self.other.get(name)) {
             Some(w) => {
                 let (shape, _) = base(name)?;
                 Ok((shape, w.clone()))
@@ -60,13 +109,27 @@ impl QuantizedModel {
             None => base(name),
         }
     }
+
+    fn record(&mut self, name: String, q: QuantizedTensor) {
+        self.storage_bits += q.bits_per_weight() * (q.rows * q.cols) as f64;
+        self.weights += q.rows * q.cols;
+        self.linears.insert(name.clone(), q.dequantize());
+        self.quantized.insert(name, q);
+    }
+
+    fn record_f32(&mut self, name: String, w: Vec<f32>, bits_per_weight: f64) {
+        self.storage_bits += bits_per_weight * w.len() as f64;
+        self.weights += w.len();
+        self.linears.insert(name, w);
+    }
 }
 
 /// `nsamples` random windows of `seqlen` tokens from a token stream (GPTQ `get_wikitext2`:
 /// uniform random starts, seeded).
 ///
 /// # Errors
-/// [`Error::Calibration`] if the stream is shorter than one window or `nsamples`/`seqlen` is 0.
+/// [`Error::InvalidParameter`] if `nsamples` or `seqlen` is 0; [`Error::Calibration`] if the
+/// stream is shorter than one window.
 pub fn calibration_windows(tokens: &[u32], nsamples: usize, seqlen: usize, seed: u64) -> Result<Vec<Vec<u32>>> {
     if nsamples == 0 || seqlen == 0 {
         return Err(invalid("nsamples", "nsamples and seqlen must be positive"));
@@ -88,13 +151,210 @@ fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
     Ok(to_host(g)?.iter().map(|&v| v as f64).collect())
 }
 
-/// Quantizes every decoder linear of a model.
+/// Mean squared difference of two equally shaped device tensors.
+fn mse(a: &Tensor<2>, b: &Tensor<2>) -> Result<f64> {
+    let d = a.clone().sub(b.clone());
+    let m = d.clone().mul(d).mean().reshape([1, 1]);
+    Ok(to_host(m)?.first().copied().unwrap_or(f32::NAN) as f64)
+}
+
+/// Checks the method's own parameters and the scheme's bits / group size.
+fn validate(method: &Method, scheme: &Scheme) -> Result<()> {
+    match method {
+        Method::Rtn | Method::Awq(_) => check_bits(scheme.bits)?,
+        Method::Gptq(g) => check_bits(g.bits)?,
+        _ => {}
+    }
+    if matches!(method, Method::Rtn | Method::Awq(_) | Method::Nf4) && scheme.granularity == Granularity::PerGroup(0) {
+        return Err(invalid("group_size", "must be positive"));
+    }
+    match method {
+        Method::Awq(a) if a.n_grid == 0 => Err(invalid("n_grid", "must be positive")),
+        Method::Awq(a) if !(0.0..1.0).contains(&a.max_shrink) => Err(invalid("max_shrink", format!("{} is outside [0, 1)", a.max_shrink))),
+        Method::SmoothQuant { alpha } if !(0.0..=1.0).contains(alpha) => Err(invalid("alpha", format!("{alpha} is outside [0, 1]"))),
+        Method::LlmInt8 { threshold, auto: false } if !(*threshold > 0.0 && threshold.is_finite()) => {
+            Err(invalid("threshold", format!("{threshold} must be positive")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The full-precision stages of one layer: the inputs of every site and the output.
+struct Stages {
+    xn: Tensor<2>,
+    att: Tensor<2>,
+    x2: Tensor<2>,
+    xn2: Tensor<2>,
+    h: Tensor<2>,
+    y: Tensor<2>,
+}
+
+fn stages(c: &Calibrator, lw: &LayerWeights, x: &Tensor<2>) -> Stages {
+    let dl = c.upload(lw);
+    let xn = c.attn_in(&dl, x.clone());
+    let att = c.attention(&dl, xn.clone(), None);
+    let x2 = c.attn_residual(&dl, x.clone(), att.clone(), None);
+    let xn2 = c.mlp_in(&dl, x2.clone());
+    let h = c.swiglu_out(&dl, xn2.clone(), None);
+    let y = c.mlp_residual(&dl, x2.clone(), h.clone(), None);
+    Stages { xn, att, x2, xn2, h, y }
+}
+
+fn scale_cols(w: &mut [f32], cols: usize, s: &[f32]) {
+    for row in w.chunks_mut(cols) {
+        for (v, &f) in row.iter_mut().zip(s) {
+            *v *= f;
+        }
+    }
+}
+
+fn div_rows(w: &mut [f32], cols: usize, s: &[f32]) {
+    for (row, &f) in w.chunks_mut(cols).zip(s) {
+        for v in row {
+            *v /= f;
+        }
+    }
+}
+
+/// Every `step`-th token row of `[tokens, cols]` `x`, divided column-wise by `s` (if given).
+fn subsample(x: &[f32], tokens: usize, cols: usize, want: usize, s: Option<&[f32]>) -> (Vec<f32>, usize) {
+    let step = (tokens / want.max(1)).max(1);
+    let mut out = Vec::new();
+    let mut n = 0;
+    for t in (0..tokens).step_by(step) {
+        let row = &x[t * cols..(t + 1) * cols];
+        match s {
+            Some(s) => out.extend(row.iter().zip(s).map(|(v, f)| v / f)),
+            None => out.extend_from_slice(row),
+        }
+        n += 1;
+    }
+    (out, n)
+}
+
+/// llm-awq `auto_scale_block` + `apply_scale` + `auto_clip_block` + `apply_clip` on one layer
+/// (`lw` is modified in place: scaled norms and weights, clipped weights). Returns nothing; the
+/// caller quantizes the weights and feeds the full-precision output `st.y` forward.
+#[allow(clippy::too_many_arguments)] // the calibrators, the layer, its stages and the options
+fn awq_layer(
+    c: &Calibrator,
+    sub: &Calibrator,
+    cfg: &ModelConfig,
+    lw: &mut LayerWeights,
+    x: &Tensor<2>,
+    st: &Stages,
+    scheme: &Scheme,
+    a: &AwqConfig,
+) -> Result<()> {
+    let n = c.tokens();
+    let (hid, inter) = (cfg.hidden_size, cfg.intermediate_size);
+    let qd = Linear::O.dims(cfg).1;
+    let xn_h = to_host(st.xn.clone())?;
+    let xn2_h = to_host(st.xn2.clone())?;
+    let att_h = to_host(st.att.clone())?;
+    let h_h = to_host(st.h.clone())?;
+    // The block losses run on the first `search_windows` windows (`sub`), the statistics on all.
+    let m = sub.tokens();
+    let rows_of = |t: &Tensor<2>| -> Tensor<2> {
+        let [_, d] = t.dims();
+        t.clone().slice([0..m, 0..d])
+    };
+    let x = &rows_of(x);
+    let st = &Stages { xn: rows_of(&st.xn), att: rows_of(&st.att), x2: rows_of(&st.x2), xn2: rows_of(&st.xn2), h: rows_of(&st.h), y: rows_of(&st.y) };
+    let c = sub;
+    let search = |ls: &[Linear], x_host: &[f32], cols: usize, loss: &mut dyn FnMut(&LayerWeights) -> Result<f64>| -> Result<Vec<f32>> {
+        let m = act_mean_abs(x_host, n, cols);
+        let ws: Vec<(&[f32], usize)> = ls.iter().map(|&l| (lw.linear(l), l.dims(cfg).0)).collect();
+        let mut block = |qs: &[Vec<f32>]| -> Result<f64> {
+            let mut cand = lw.clone();
+            for (&l, q) in ls.iter().zip(qs) {
+                cand.linear_mut(l).clone_from(q);
+            }
+            loss(&cand)
+        };
+        Ok(search_scale(&m, &ws, cols, scheme, a.n_grid, &mut block)?.scales)
+    };
+    // 1. q/k/v through input_layernorm; objective: the attention block output.
+    let s_qkv = search(&[Linear::Q, Linear::K, Linear::V], &xn_h, hid, &mut |cand| {
+        let d = c.upload(cand);
+        let a2 = c.attention(&d, st.xn.clone(), None);
+        mse(&c.attn_residual(&d, x.clone(), a2, None), &st.x2)
+    })?;
+    // 2. o through v_proj (only when v_proj's output is o_proj's input: no GQA).
+    let v_out = Linear::V.dims(cfg).0;
+    let s_o = if v_out == qd {
+        Some(search(&[Linear::O], &att_h, qd, &mut |cand| {
+            let d = c.upload(cand);
+            mse(&c.attn_residual(&d, x.clone(), st.att.clone(), None), &st.x2)
+        })?)
+    } else {
+        None
+    };
+    // 3. gate/up through post_attention_layernorm; objective: the MLP output.
+    let s_mlp = search(&[Linear::Gate, Linear::Up], &xn2_h, hid, &mut |cand| {
+        let d = c.upload(cand);
+        let hc = c.swiglu_out(&d, st.xn2.clone(), None);
+        mse(&c.mlp_residual(&d, st.x2.clone(), hc, None), &st.y)
+    })?;
+    // 4. down through up_proj; objective: down_proj's output.
+    let s_down = search(&[Linear::Down], &h_h, inter, &mut |cand| {
+        let d = c.upload(cand);
+        mse(&c.mlp_residual(&d, st.x2.clone(), st.h.clone(), None), &st.y)
+    })?;
+    // apply_scale: norm / s (input side), weight columns · s.
+    for (n, s) in lw.attn_norm.iter_mut().zip(&s_qkv) {
+        *n /= s;
+    }
+    for l in [Linear::Q, Linear::K, Linear::V] {
+        scale_cols(lw.linear_mut(l), hid, &s_qkv);
+    }
+    if let Some(s) = &s_o {
+        div_rows(lw.linear_mut(Linear::V), hid, s);
+        scale_cols(lw.linear_mut(Linear::O), qd, s);
+    }
+    for (n, s) in lw.ffn_norm.iter_mut().zip(&s_mlp) {
+        *n /= s;
+    }
+    for l in [Linear::Gate, Linear::Up] {
+        scale_cols(lw.linear_mut(l), hid, &s_mlp);
+    }
+    div_rows(lw.linear_mut(Linear::Up), hid, &s_down);
+    scale_cols(lw.linear_mut(Linear::Down), inter, &s_down);
+    if a.clip {
+        // auto_clip_block: every linear but q/k, on the (scaled) inputs.
+        type ClipInput<'a> = (Linear, &'a [f32], usize, Option<&'a [f32]>);
+        let inputs: [ClipInput<'_>; 5] = [
+            (Linear::V, &xn_h, hid, Some(&s_qkv)),
+            (Linear::O, &att_h, qd, s_o.as_deref()),
+            (Linear::Gate, &xn2_h, hid, Some(&s_mlp)),
+            (Linear::Up, &xn2_h, hid, Some(&s_mlp)),
+            (Linear::Down, &h_h, inter, Some(&s_down)),
+        ];
+        for (l, xh, cols, s) in inputs {
+            let (xs, t) = subsample(xh, n, cols, a.clip_tokens, s);
+            let rows = l.dims(cfg).0;
+            let clip = search_clip(lw.linear(l), rows, cols, &xs, t, scheme, a.n_grid, a.max_shrink)?;
+            let gs = match scheme.granularity {
+                Granularity::PerGroup(g) => g.min(cols),
+                _ => cols,
+            };
+            apply_clip(lw.linear_mut(l), rows, cols, gs, &clip);
+        }
+    }
+    Ok(())
+}
+
+/// Quantizes every decoder linear of a model with `method` (see the module docs).
 ///
-/// `windows` (calibration) is needed by GPTQ only. `progress(layer)` is called after each layer.
+/// `scheme` gives bits / symmetry / groups for RTN and AWQ, the block size for NF4
+/// (`PerGroup(64)`); GPTQ takes them from its config; W8A8 and LLM.int8() are always int8.
+/// `windows` (calibration token windows) are needed by GPTQ, AWQ, SmoothQuant and automatic
+/// LLM.int8(). `progress(layer)` is called after each layer.
 ///
 /// # Errors
-/// Invalid parameters, a `group_size` that does not divide a layer's input dimension, missing
-/// tensors, empty calibration.
+/// [`Error::InvalidParameter`] naming `bits`, `group_size`, `alpha`, `threshold`, `n_grid`;
+/// [`Error::Calibration`] without calibration windows where needed; missing tensors;
+/// [`Error::NotPositiveDefinite`] from GPTQ.
 pub fn quantize_model(
     cfg: &ModelConfig,
     tensor: &TensorFn<'_>,
@@ -104,25 +364,38 @@ pub fn quantize_model(
     scheme: &Scheme,
     progress: &mut dyn FnMut(usize),
 ) -> Result<QuantizedModel> {
-    let mut out = QuantizedModel { linears: HashMap::new(), storage_bits: 0.0, weights: 0 };
-    let calib = match method {
-        Method::Gptq(_) => {
-            if windows.is_empty() {
-                return Err(Error::Calibration("GPTQ needs calibration windows".into()));
-            }
-            let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
-            let c = Calibrator::new(cfg, device, &lens)?;
-            let (_, embed) = tensor("model.embed_tokens.weight")?;
-            let x = c.embed(&embed, windows)?;
-            Some((c, x))
+    validate(method, scheme)?;
+    let mut out = QuantizedModel {
+        linears: HashMap::new(),
+        quantized: BTreeMap::new(),
+        other: HashMap::new(),
+        act_quant: match method {
+            Method::SmoothQuant { .. } => Some(ActQuant { mode: ActMode::PerToken, columns: BTreeMap::new() }),
+            Method::LlmInt8 { auto: true, .. } => Some(ActQuant { mode: ActMode::Fixed, columns: BTreeMap::new() }),
+            Method::LlmInt8 { threshold, .. } => Some(ActQuant { mode: ActMode::Threshold(*threshold), columns: BTreeMap::new() }),
+            _ => None,
+        },
+        storage_bits: 0.0,
+        weights: 0,
+    };
+    let mut calib = if method.needs_calibration() {
+        if windows.is_empty() || windows.iter().all(Vec::is_empty) {
+            return Err(Error::Calibration("this method needs calibration windows (empty calibration text?)".into()));
         }
-        _ => None,
+        let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
+        let c = Calibrator::new(cfg, device, &lens)?;
+        let (_, embed) = tensor("model.embed_tokens.weight")?;
+        let x = c.embed(&embed, windows)?;
+        Some((c, x))
+    } else {
+        None
     };
     let name = |li: usize, l: Linear| format!("model.layers.{li}.{}.weight", l.hf_suffix());
-    match (method, calib) {
-        (Method::Gptq(g), Some((c, mut x))) => {
-            for li in 0..cfg.num_hidden_layers {
-                let mut lw = LayerWeights::fetch(cfg, li, tensor)?;
+    let norm_names = |li: usize| (format!("model.layers.{li}.input_layernorm.weight"), format!("model.layers.{li}.post_attention_layernorm.weight"));
+    for li in 0..cfg.num_hidden_layers {
+        let mut lw = LayerWeights::fetch(cfg, li, tensor)?;
+        match (method, calib.as_mut()) {
+            (Method::Gptq(g), Some((c, x))) => {
                 let n = c.tokens();
                 let mut quant = |lw: &mut LayerWeights, inp: &Tensor<2>, ls: &[Linear]| -> Result<()> {
                     let (_, cols) = ls[0].dims(cfg);
@@ -131,9 +404,8 @@ pub fn quantize_model(
                     for &l in ls {
                         let (rows, cols) = l.dims(cfg);
                         let r = gptq_quantize(lw.linear(l), rows, cols, &h, g)?;
-                        out.storage_bits += r.q.bits_per_weight() * (rows * cols) as f64;
-                        out.weights += rows * cols;
                         *lw.linear_mut(l) = r.q.dequantize();
+                        out.record(name(li, l), r.q);
                     }
                     Ok(())
                 };
@@ -144,48 +416,90 @@ pub fn quantize_model(
                 let a = c.attention(&dl, xn, None);
                 quant(&mut lw, &a, &[Linear::O])?;
                 let dl = c.upload(&lw);
-                let x2 = c.attn_residual(&dl, x, a, None);
+                let x2 = c.attn_residual(&dl, x.clone(), a, None);
                 let xn2 = c.mlp_in(&dl, x2.clone());
                 quant(&mut lw, &xn2, &[Linear::Gate, Linear::Up])?;
                 let dl = c.upload(&lw);
                 let hmid = c.swiglu_out(&dl, xn2, None);
                 quant(&mut lw, &hmid, &[Linear::Down])?;
                 let dl = c.upload(&lw);
-                x = c.mlp_residual(&dl, x2, hmid, None);
-                for l in Linear::ALL {
-                    out.linears.insert(name(li, l), lw.linear(l).to_vec());
-                }
-                progress(li);
+                *x = c.mlp_residual(&dl, x2, hmid, None);
             }
-        }
-        _ => {
-            for li in 0..cfg.num_hidden_layers {
-                let lw = LayerWeights::fetch(cfg, li, tensor)?;
+            (Method::Awq(a), Some((c, x))) => {
+                let st = stages(c, &lw, x);
+                let k = a.search_windows.clamp(1, windows.len());
+                let lens: Vec<usize> = windows[..k].iter().map(Vec::len).collect();
+                let sub = Calibrator::new(cfg, device, &lens)?;
+                awq_layer(c, &sub, cfg, &mut lw, x, &st, scheme, a)?;
                 for l in Linear::ALL {
                     let (rows, cols) = l.dims(cfg);
-                    let w = lw.linear(l);
-                    let deq = match method {
-                        Method::Nf4 => {
-                            let bs = match scheme.granularity {
-                                Granularity::PerGroup(g) => g,
-                                _ => 64,
-                            };
-                            let t = Nf4Tensor::quantize(w, bs)?;
-                            out.storage_bits += t.bits_per_weight() * w.len() as f64;
-                            t.dequantize()
-                        }
-                        _ => {
-                            let q = quantize_rtn(w, rows, cols, scheme)?;
-                            out.storage_bits += q.bits_per_weight() * w.len() as f64;
-                            q.dequantize()
-                        }
-                    };
-                    out.weights += w.len();
-                    out.linears.insert(name(li, l), deq);
+                    out.record(name(li, l), quantize_rtn_ragged(lw.linear(l), rows, cols, scheme)?);
                 }
-                progress(li);
+                let (n1, n2) = norm_names(li);
+                out.other.insert(n1, lw.attn_norm.clone());
+                out.other.insert(n2, lw.ffn_norm.clone());
+                *x = st.y;
+            }
+            (Method::SmoothQuant { alpha }, Some((c, x))) => {
+                let st = stages(c, &lw, x);
+                let n = c.tokens();
+                let hid = cfg.hidden_size;
+                for (inp, ls, is_attn) in [(&st.xn, [Linear::Q, Linear::K, Linear::V].as_slice(), true), (&st.xn2, [Linear::Gate, Linear::Up].as_slice(), false)] {
+                    let amax = act_max_abs(&to_host(inp.clone())?, n, hid);
+                    let ws: Vec<(&[f32], usize)> = ls.iter().map(|&l| (lw.linear(l), l.dims(cfg).0)).collect();
+                    let s = smooth_scales(&amax, &ws, hid, *alpha)?;
+                    let norm = if is_attn { &mut lw.attn_norm } else { &mut lw.ffn_norm };
+                    for (v, f) in norm.iter_mut().zip(&s) {
+                        *v /= f;
+                    }
+                    for &l in ls {
+                        scale_cols(lw.linear_mut(l), hid, &s);
+                    }
+                }
+                for l in Linear::ALL {
+                    let (rows, cols) = l.dims(cfg);
+                    out.record_f32(name(li, l), absmax_int8_rows(lw.linear(l), rows, cols), 8.0 + 16.0 / cols as f64);
+                }
+                let (n1, n2) = norm_names(li);
+                out.other.insert(n1, lw.attn_norm.clone());
+                out.other.insert(n2, lw.ffn_norm.clone());
+                *x = st.y;
+            }
+            (Method::LlmInt8 { .. }, cal) => {
+                if let (Some((c, x)), Some(aq)) = (cal, out.act_quant.as_mut()) {
+                    let st = stages(c, &lw, x);
+                    let n = c.tokens();
+                    for (site, t) in [(Site::AttnIn, &st.xn), (Site::AttnOut, &st.att), (Site::MlpIn, &st.xn2), (Site::DownIn, &st.h)] {
+                        let [_, cols] = t.dims();
+                        let amax = act_max_abs(&to_host(t.clone())?, n, cols);
+                        aq.set_columns(li, site, &outlier_columns_auto(&amax));
+                    }
+                    *x = st.y;
+                }
+                for l in Linear::ALL {
+                    let (rows, cols) = l.dims(cfg);
+                    out.record_f32(name(li, l), absmax_int8_rows(lw.linear(l), rows, cols), 8.0 + 16.0 / cols as f64);
+                }
+            }
+            (Method::Nf4, _) => {
+                let bs = match scheme.granularity {
+                    Granularity::PerGroup(g) => g,
+                    _ => 64,
+                };
+                for l in Linear::ALL {
+                    let t = Nf4Tensor::quantize(lw.linear(l), bs)?;
+                    let bpw = t.bits_per_weight();
+                    out.record_f32(name(li, l), t.dequantize(), bpw);
+                }
+            }
+            _ => {
+                for l in Linear::ALL {
+                    let (rows, cols) = l.dims(cfg);
+                    out.record(name(li, l), quantize_rtn_ragged(lw.linear(l), rows, cols, scheme)?);
+                }
             }
         }
+        progress(li);
     }
     Ok(out)
 }

@@ -64,10 +64,11 @@ impl Scheme {
         Ok(())
     }
 
-    /// Number of column groups for `cols` input columns.
+    /// Number of column groups for `cols` input columns: `ceil(cols / group_size)` per group
+    /// (AutoGPTQ's count, the last group shorter when the size does not divide `cols`), else 1.
     pub fn groups(&self, cols: usize) -> usize {
         match self.granularity {
-            Granularity::PerGroup(g) => cols / g,
+            Granularity::PerGroup(g) if g > 0 => cols.div_ceil(g),
             _ => 1,
         }
     }
@@ -257,4 +258,59 @@ pub fn absmax_int8_rows(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         out.extend(row.iter().map(|&v| (v / s).round_ties_even().clamp(-127.0, 127.0) * s));
     }
     out
+}
+
+/// Round-to-nearest quantization like [`quantize_rtn`], but a per-group scheme whose group size
+/// does not divide `cols` gets AutoGPTQ's ragged groups: `ceil(cols / group_size)` groups,
+/// `g_idx[c] = c / group_size`, the last group shorter (AutoGPTQ `QuantLinear` allocates
+/// `ceil(infeatures / group_size)` groups). When the size divides `cols` the result is exactly
+/// [`quantize_rtn`]'s.
+///
+/// # Errors
+/// [`crate::Error::InvalidParameter`] for unsupported bits or group size 0;
+/// [`crate::Error::Shape`] if `w.len() != rows * cols`.
+pub fn quantize_rtn_ragged(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+    let gs = match scheme.granularity {
+        Granularity::PerGroup(g) if g > 0 && !cols.is_multiple_of(g) => g,
+        _ => return quantize_rtn(w, rows, cols, scheme),
+    };
+    check_bits(scheme.bits)?;
+    if w.len() != rows * cols {
+        return Err(crate::Error::Shape(format!("{} values for a {rows}x{cols} matrix", w.len())));
+    }
+    let groups = cols.div_ceil(gs);
+    let maxq = scheme.maxq();
+    let mut scales = Vec::with_capacity(rows * groups);
+    let mut zeros = Vec::with_capacity(rows * groups);
+    let mut codes = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        let row = &w[r * cols..(r + 1) * cols];
+        for g in 0..groups {
+            let run = &row[g * gs..((g + 1) * gs).min(cols)];
+            let (s, z) = find_params(run.iter().copied(), scheme.bits, scheme.sym);
+            scales.push(s);
+            zeros.push(z);
+            codes.extend(run.iter().map(|&x| quantize_value(x, s, z, maxq)));
+        }
+    }
+    Ok(QuantizedTensor {
+        rows,
+        cols,
+        bits: scheme.bits,
+        sym: scheme.sym,
+        group_size: gs,
+        codes,
+        scales,
+        zeros,
+        g_idx: (0..cols).map(|c| (c / gs) as u32).collect(),
+        param_rows: rows,
+    })
+}
+
+/// Fake quantization with [`quantize_rtn_ragged`] (ragged last group allowed).
+///
+/// # Errors
+/// As [`quantize_rtn_ragged`].
+pub fn fake_quant_ragged(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<Vec<f32>> {
+    Ok(quantize_rtn_ragged(w, rows, cols, scheme)?.dequantize())
 }
