@@ -344,6 +344,9 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 total = total.max(h.tokens.len());
             }
             extra = format!(" forward_calls={}", out.forward_calls);
+            if let Some(best) = out.sequences.first() {
+                extra.push_str(&format!(" best_sum_logprobs={:.6} best_score={:.6} best_tokens={}", best.sum_logprobs, best.score, best.tokens.len()));
+            }
             (total, None)
         }
         Strategy::Greedy | Strategy::Sample if args.autodeco.is_some() => {

@@ -137,6 +137,98 @@ impl Llama {
     }
 }
 
+/// Teacher-forced quality of early exit on one token window (see [`score_early_exit`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EarlyExitScore {
+    /// Next-token predictions scored (`window length - 1`).
+    pub predictions: usize,
+    /// Sum of negative log-likelihoods (nats) of the full model.
+    pub full_nll: f64,
+    /// Sum of negative log-likelihoods (nats) with early exit.
+    pub exit_nll: f64,
+    /// Predictions whose early-exit argmax equals the full model's argmax.
+    pub top1_agree: usize,
+    /// Layer counters of the early-exit pass.
+    pub stats: EarlyExitStats,
+}
+
+impl EarlyExitScore {
+    /// Adds another window's score.
+    pub fn merge(&mut self, o: &Self) {
+        self.predictions += o.predictions;
+        self.full_nll += o.full_nll;
+        self.exit_nll += o.exit_nll;
+        self.top1_agree += o.top1_agree;
+        self.stats.tokens += o.stats.tokens;
+        self.stats.layers_run += o.stats.layers_run;
+        self.stats.layers_total += o.stats.layers_total;
+    }
+
+    /// Perplexity of the full model.
+    pub fn full_ppl(&self) -> f64 {
+        (self.full_nll / self.predictions.max(1) as f64).exp()
+    }
+
+    /// Perplexity with early exit.
+    pub fn exit_ppl(&self) -> f64 {
+        (self.exit_nll / self.predictions.max(1) as f64).exp()
+    }
+
+    /// Fraction of predictions whose top-1 token equals the full model's.
+    pub fn top1_agreement(&self) -> f64 {
+        self.top1_agree as f64 / self.predictions.max(1) as f64
+    }
+}
+
+/// `-log softmax(logits)[target]` in f64.
+fn nll(logits: &[f32], target: u32) -> f64 {
+    let m = f64::from(logits.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+    let z: f64 = logits.iter().map(|&l| (f64::from(l) - m).exp()).sum();
+    z.ln() + m - logits.get(target as usize).map_or(f64::NEG_INFINITY, |&l| f64::from(l))
+}
+
+/// Index of the largest value (lowest index on ties).
+fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Scores `window` (teacher forcing, no BOS added) twice: once with the full model (one
+/// forward, all logits) and once token by token with [`Llama::forward_early_exit`] from an
+/// empty cache (every token, the first included, may exit). Each of the `len - 1` next-token
+/// predictions contributes its negative log-likelihood under both, and whether the two argmaxes
+/// agree.
+///
+/// # Errors
+/// A window shorter than 2 tokens ([`Error::InvalidInput`]) and the errors of
+/// [`Llama::forward`] / [`Llama::forward_early_exit`].
+pub fn score_early_exit(model: &Llama, window: &[u32], cfg: &EarlyExitConfig) -> Result<EarlyExitScore> {
+    if window.len() < 2 {
+        return Err(Error::InvalidInput(format!("early-exit scoring needs at least 2 tokens, got {}", window.len())));
+    }
+    let n = window.len() - 1;
+    let mut cache = crate::kv_cache::DenseKvCache::new(model.num_layers());
+    let full = model.forward(&[SeqInput { seq: 0, tokens: &window[..n] }], &mut cache, LogitsWanted::All)?.logits_rows()?;
+    let mut cache = crate::kv_cache::DenseKvCache::new(model.num_layers());
+    let mut score = EarlyExitScore { predictions: n, ..Default::default() };
+    for (i, full_row) in full.iter().enumerate().take(n) {
+        let step = model.forward_early_exit(0, window[i], &mut cache, cfg)?;
+        score.stats.record(&step, model.num_layers());
+        let target = window[i + 1];
+        score.full_nll += nll(full_row, target);
+        score.exit_nll += nll(&step.logits, target);
+        if argmax(&step.logits) == argmax(full_row) {
+            score.top1_agree += 1;
+        }
+    }
+    Ok(score)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +271,31 @@ mod tests {
             })
             .collect();
         assert_eq!(next[0], next[1]);
+    }
+
+    /// Threshold 0 never exits: the early-exit pass is the full model (same ppl, full
+    /// agreement, nothing skipped); a huge threshold exits at `min_layers` every time.
+    #[test]
+    fn score_early_exit_limits() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/tiny/llama3");
+        let ckpt = deco_formats::checkpoint::Checkpoint::open(dir).expect("tiny checkpoint");
+        let model = Llama::load(&ckpt, &burn::tensor::Device::flex(), None).expect("load");
+        let n = model.num_layers();
+        let window = [5u32, 17, 42, 9, 33, 7, 21];
+        let never = EarlyExitConfig { entropy_threshold: 0.0, min_layers: 1, check_every: 1 };
+        let s = score_early_exit(&model, &window, &never).expect("score");
+        assert_eq!(s.predictions, 6);
+        assert_eq!(s.top1_agree, 6);
+        assert_eq!(s.stats.skipped_fraction(), 0.0);
+        assert!((s.full_ppl() - s.exit_ppl()).abs() < 1e-3 * s.full_ppl(), "{} vs {}", s.full_ppl(), s.exit_ppl());
+        let always = EarlyExitConfig { entropy_threshold: 1e9, min_layers: 1, check_every: 1 };
+        let s = score_early_exit(&model, &window, &always).expect("score");
+        assert!((s.stats.skipped_fraction() - (n - 1) as f64 / n as f64).abs() < 1e-12);
+        let mut m = s;
+        m.merge(&s);
+        assert_eq!(m.predictions, 12);
+        assert!((m.exit_ppl() - s.exit_ppl()).abs() < 1e-9 * s.exit_ppl());
+        assert!(score_early_exit(&model, &[1], &never).is_err());
     }
 
     #[test]
