@@ -1,5 +1,10 @@
 //! `deco eval kld`: mean KL(reference ‖ model) of the next-token distributions, top-1
 //! agreement and both perplexities over the same non-overlapping windows as `deco eval ppl`.
+//!
+//! A model directory with `deco_act_quant.json` (written by `deco quantize --method smoothquant`
+//! or `--method int8`) is run layer by layer through `deco_model::calibrate::Calibrator` with
+//! that activation quantization applied to the input of every linear layer (per-token int8,
+//! LLM.int8() outlier columns in float); `ppl_model` is then that model's perplexity.
 
 use std::path::PathBuf;
 
@@ -73,6 +78,23 @@ pub fn run(args: &KldArgs) -> Result<()> {
     };
     let reference = load(&args.reference)?;
     let model = load(&args.model.model)?;
+    let act_file = args.model.model.join(deco_quant::smooth::ACT_QUANT_FILE);
+    let act = if act_file.is_file() {
+        let text = std::fs::read_to_string(&act_file).with_context(|| format!("reading {}", act_file.display()))?;
+        let aq = deco_quant::smooth::ActQuant::from_json(&serde_json::from_str(&text)?).with_context(|| format!("{}", act_file.display()))?;
+        eprintln!("activation quantization from {}: {:?}", act_file.display(), aq.mode);
+        let ck = Checkpoint::open(&args.model.model)?;
+        let cfg = ck.config.clone();
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|li| deco_model::calibrate::LayerWeights::fetch(&cfg, li, &|n: &str| Ok(ck.tensor(n)?)))
+            .collect::<deco_model::Result<Vec<_>>>()?;
+        let (_, embed) = ck.tensor("model.embed_tokens.weight")?;
+        let (_, norm) = ck.tensor("model.norm.weight")?;
+        let head = if cfg.tie_word_embeddings { embed.clone() } else { ck.tensor("lm_head.weight")?.1 };
+        Some((aq, cfg, layers, embed, norm, head))
+    } else {
+        None
+    };
     if reference.config.vocab_size != model.config.vocab_size {
         bail!("vocabulary sizes differ: reference {}, model {}", reference.config.vocab_size, model.config.vocab_size);
     }
@@ -96,7 +118,16 @@ pub fn run(args: &KldArgs) -> Result<()> {
             let mut cache = DenseKvCache::new(m.config.num_hidden_layers);
             Ok(m.forward(&[SeqInput { seq: 0, tokens: window }], &mut cache, LogitsWanted::All)?.logits_rows()?)
         };
-        let (lr, lm) = (logits(&reference)?, logits(&model)?);
+        let lm = match &act {
+            Some((aq, cfg, layers, embed, norm, head)) => {
+                let c = deco_model::calibrate::Calibrator::new(cfg, &device, &[window.len()])?;
+                let t = c.forward_logits(&[window.to_vec()], embed, &mut |li| Ok(layers[li].clone()), norm, head, Some(aq))?;
+                let v = cfg.vocab_size;
+                deco_model::calibrate::to_host(t)?.chunks(v).map(<[f32]>::to_vec).collect()
+            }
+            None => logits(&model)?,
+        };
+        let lr = logits(&reference)?;
         for ((a, b), &target) in lr.iter().zip(&lm).zip(&window[1..]) {
             let (pa, pb) = (log_softmax(a), log_softmax(b));
             kl_sum += kl(&pa, &pb);

@@ -1,6 +1,10 @@
-//! `deco quantize`: quantize a model (RTN, GPTQ, NF4) and write it as a GPTQ / AWQ GEMM /
-//! compressed-tensors directory, a GGUF Q8_0 / Q4_0 / Q4_1 file, or a fake-quantized f32
-//! directory. Output is atomic (temporary sibling, renamed at the end).
+//! `deco quantize`: quantize a model (RTN, GPTQ, AWQ, NF4, SmoothQuant W8A8, LLM.int8()) and
+//! write it as a GPTQ / AWQ GEMM / compressed-tensors directory, a GGUF Q8_0 / Q4_0 / Q4_1 file,
+//! or a fake-quantized f32 directory (W8A8 and LLM.int8(): plus `deco_act_quant.json`, the
+//! run-time activation scheme that `deco eval kld` applies). Output is atomic (temporary
+//! sibling, renamed at the end). Prints one `[quantize]` line on stdout with
+//! `bits_per_weight`, `linear_bytes`, `model_bytes` (other tensors at f16) and `seconds`
+//! (quantization only).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -10,7 +14,8 @@ use clap::{Args, ValueEnum};
 use deco_formats::checkpoint::Checkpoint;
 use deco_formats::ggml::GgmlType;
 use deco_formats::quantized::{QuantConfig, QuantMethod};
-use deco_quant::export::{quantize_linears, write_fake_dir, write_gguf_model, write_packed_dir};
+use deco_quant::awq::AwqConfig;
+use deco_quant::export::{write_fake_dir, write_gguf_model, write_packed_dir};
 use deco_quant::gptq::GptqConfig;
 use deco_quant::pipeline::{Method, calibration_windows, quantize_model};
 use deco_quant::scheme::{Granularity, Scheme};
@@ -27,6 +32,14 @@ pub enum MethodArg {
     Gptq,
     /// NormalFloat-4, blocks of --group-size (64 by convention), double quantization; `fake` only.
     Nf4,
+    /// AWQ (needs --calib): activation-aware scale search folded into the norms, clip search, RTN.
+    Awq,
+    /// SmoothQuant W8A8 (needs --calib, --alpha): int8 weights per channel, int8 activations per
+    /// token at run time; `fake` only.
+    Smoothquant,
+    /// LLM.int8(): int8 weights per row, outlier activation columns (|x| >= --threshold, or
+    /// --auto-outliers from --calib) kept in float at run time; `fake` only.
+    Int8,
 }
 
 /// Output format.
@@ -82,7 +95,20 @@ pub struct QuantizeArgs {
     /// GPTQ dampening, fraction of the mean Hessian diagonal.
     #[arg(long, default_value_t = 0.01)]
     damp_percent: f64,
-    /// Calibration windows (GPTQ).
+    /// SmoothQuant migration strength alpha in [0, 1].
+    #[arg(long, default_value_t = 0.5)]
+    alpha: f64,
+    /// LLM.int8() outlier threshold on |x| (> 0).
+    #[arg(long, default_value_t = 6.0)]
+    threshold: f32,
+    /// LLM.int8(): fixed outlier columns per layer from calibration (max|X_j| > mean + 3 sigma)
+    /// instead of --threshold (needs --calib).
+    #[arg(long)]
+    auto_outliers: bool,
+    /// AWQ: skip the clipping search.
+    #[arg(long)]
+    no_clip: bool,
+    /// Calibration windows (GPTQ, AWQ, SmoothQuant, LLM.int8() --auto-outliers).
     #[arg(long, default_value_t = 128)]
     nsamples: usize,
     /// Tokens per calibration window.
@@ -91,7 +117,7 @@ pub struct QuantizeArgs {
     /// Seed of the calibration window starts.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// UTF-8 calibration text (GPTQ).
+    /// UTF-8 calibration text (GPTQ, AWQ, SmoothQuant, --auto-outliers).
     #[arg(long)]
     calib: Option<PathBuf>,
     /// Output format.
@@ -122,6 +148,20 @@ fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Res
     ensure!(matches!(args.bits, 2 | 3 | 4 | 8), "--bits {} is not one of 2, 3, 4, 8", args.bits);
     ensure!(args.group_size == -1 || args.group_size > 0, "--group-size must be positive or -1, got {}", args.group_size);
     let sym = !args.asym;
+    ensure!((0.0..=1.0).contains(&args.alpha), "--alpha {} is outside [0, 1]", args.alpha);
+    ensure!(args.threshold > 0.0 && args.threshold.is_finite(), "--threshold must be positive, got {}", args.threshold);
+    let act = matches!(args.method, MethodArg::Smoothquant | MethodArg::Int8);
+    if act {
+        ensure!(
+            args.format == FormatArg::Fake,
+            "--method {:?} quantizes activations at run time: only --format fake (f32 weights + deco_act_quant.json, evaluated by `deco eval kld`) can hold it",
+            args.method
+        );
+        ensure!(args.bits == 8, "--method {:?} is int8: --bits must be 8 (got {})", args.method, args.bits);
+    }
+    if args.auto_outliers {
+        ensure!(args.method == MethodArg::Int8, "--auto-outliers applies to --method int8 only");
+    }
     match args.format {
         FormatArg::GgufQ8_0 | FormatArg::GgufQ4_0 | FormatArg::GgufQ4_1 => {
             ensure!(
@@ -137,6 +177,12 @@ fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Res
                 args.method != MethodArg::Nf4,
                 "NF4 has no integer codes with zero points; use --format fake for NF4"
             );
+            if args.group_size > 0 && packed != FormatArg::Gptq {
+                let g = args.group_size as usize;
+                for d in [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim] {
+                    ensure!(d % g == 0, "--format {packed:?} needs --group-size to divide every input dimension; {g} does not divide {d} (GPTQ's format allows a ragged last group)");
+                }
+            }
             match packed {
                 FormatArg::Gptq => {
                     ensure!(matches!(args.bits, 2 | 4 | 8), "--format gptq supports --bits 2, 4, 8 (got {})", args.bits);
@@ -144,6 +190,7 @@ fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Res
                 FormatArg::Awq => {
                     ensure!(args.bits == 4, "AWQ GEMM stores 4-bit codes only (got --bits {})", args.bits);
                     ensure!(!args.desc_act, "AWQ has no g_idx; --desc-act cannot be stored");
+                    ensure!(!sym, "the AWQ GEMM format stores zero points: use --asym");
                     if args.group_size > 0 {
                         let g = args.group_size as usize;
                         for d in [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim] {
@@ -158,12 +205,17 @@ fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Res
             }
         }
     }
-    if args.method == MethodArg::Gptq {
-        ensure!(args.calib.is_some(), "--method gptq needs --calib FILE (calibration text)");
-    } else if args.desc_act || args.static_groups {
+    if needs_calib(args) {
+        ensure!(args.calib.is_some(), "--method {:?} needs --calib FILE (calibration text)", args.method);
+    }
+    if args.method != MethodArg::Gptq && (args.desc_act || args.static_groups) {
         bail!("--desc-act / --static-groups apply to --method gptq only");
     }
     Ok(())
+}
+
+fn needs_calib(args: &QuantizeArgs) -> bool {
+    matches!(args.method, MethodArg::Gptq | MethodArg::Awq | MethodArg::Smoothquant) || (args.method == MethodArg::Int8 && args.auto_outliers)
 }
 
 /// Runs the command.
@@ -185,6 +237,9 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     let method = match args.method {
         MethodArg::Rtn => Method::Rtn,
         MethodArg::Nf4 => Method::Nf4,
+        MethodArg::Awq => Method::Awq(AwqConfig { clip: !args.no_clip, ..AwqConfig::default() }),
+        MethodArg::Smoothquant => Method::SmoothQuant { alpha: args.alpha },
+        MethodArg::Int8 => Method::LlmInt8 { threshold: args.threshold, auto: args.auto_outliers },
         MethodArg::Gptq => Method::Gptq(GptqConfig {
             bits: args.bits,
             group_size: (args.group_size > 0).then_some(args.group_size as usize),
@@ -195,9 +250,10 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             blocksize: 128,
         }),
     };
-    let windows = match (&args.calib, args.method) {
-        (Some(path), MethodArg::Gptq) => {
+    let windows = match &args.calib {
+        Some(path) if needs_calib(args) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading calibration text {}", path.display()))?;
+            ensure!(!text.trim().is_empty(), "--calib {}: the calibration text is empty", path.display());
             let ids = tok.encode_with(&text, false, true)?;
             calibration_windows(&ids, args.nsamples, args.seqlen, args.seed).with_context(|| format!("calibration text {}", path.display()))?
         }
@@ -216,33 +272,54 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         let s = write_gguf_model(g, &cfg, &src, ty, &args.out, &mut |_| pb.inc(1))?;
         pb.finish();
         s
-    } else if args.format == FormatArg::Fake {
-        let pb = progress(layers, "quantize");
-        let linears = if args.method == MethodArg::Nf4 {
-            let scheme = Scheme { granularity: Granularity::PerGroup(if args.group_size > 0 { args.group_size as usize } else { 64 }), ..scheme };
-            quantize_model(&cfg, &src, &device, &windows, &method, &scheme, &mut |_| pb.inc(1))?.linears
-        } else {
-            quantize_linears(&cfg, &src, &device, &windows, &method, &scheme, &mut |_| pb.inc(1))?
-                .into_iter()
-                .map(|(k, q)| (k, q.dequantize()))
-                .collect()
-        };
-        pb.finish();
-        write_fake_dir(&cfg, &src, &tok, &linears, &args.out)?
     } else {
         let pb = progress(layers, "quantize");
-        let q = quantize_linears(&cfg, &src, &device, &windows, &method, &scheme, &mut |_| pb.inc(1))?;
-        pb.finish();
-        let qm = match args.format {
-            FormatArg::Gptq => QuantMethod::Gptq,
-            FormatArg::Awq => QuantMethod::Awq,
-            _ => QuantMethod::CompressedTensors,
+        let scheme = if args.method == MethodArg::Nf4 {
+            Scheme { granularity: Granularity::PerGroup(if args.group_size > 0 { args.group_size as usize } else { 64 }), ..scheme }
+        } else {
+            scheme
         };
-        let mut qc = QuantConfig::new(qm, args.bits, (args.group_size > 0).then_some(args.group_size as usize), sym);
-        qc.desc_act = args.desc_act;
-        qc.static_groups = args.static_groups;
-        qc.damp_percent = args.damp_percent;
-        write_packed_dir(&cfg, &src, &tok, &q, &qc, &args.out)?
+        let t0 = Instant::now();
+        let qm = quantize_model(&cfg, &src, &device, &windows, &method, &scheme, &mut |li| {
+            pb.inc(1);
+            if pb.is_hidden() {
+                eprintln!("[quantize] layer {}/{layers} done at {:.1}s", li + 1, t0.elapsed().as_secs_f64());
+            }
+        })?;
+        let secs = t0.elapsed().as_secs_f64();
+        pb.finish();
+        let total_params: usize = deco_formats::checkpoint::hf_tensor_names(&cfg)
+            .iter()
+            .map(|n| src(n).map(|(shape, _)| shape.iter().product::<usize>()))
+            .sum::<deco_model::Result<usize>>()?;
+        let linear_bytes = qm.storage_bits / 8.0;
+        let model_bytes = linear_bytes + 2.0 * (total_params - qm.weights) as f64;
+        println!(
+            "[quantize] method={:?} bits_per_weight={:.4} linear_bytes={:.0} model_bytes={:.0} seconds={secs:.2}",
+            args.method,
+            qm.bits_per_weight(),
+            linear_bytes,
+            model_bytes
+        );
+        let qsrc = qm.source(&src);
+        if args.format == FormatArg::Fake {
+            let extra: Vec<(&str, String)> = match &qm.act_quant {
+                Some(aq) => vec![(deco_quant::smooth::ACT_QUANT_FILE, serde_json::to_string_pretty(&aq.to_json())?)],
+                None => Vec::new(),
+            };
+            write_fake_dir(&cfg, &qsrc, &tok, &qm.linears, &extra, &args.out)?
+        } else {
+            let qm_kind = match args.format {
+                FormatArg::Gptq => QuantMethod::Gptq,
+                FormatArg::Awq => QuantMethod::Awq,
+                _ => QuantMethod::CompressedTensors,
+            };
+            let mut qc = QuantConfig::new(qm_kind, args.bits, (args.group_size > 0).then_some(args.group_size as usize), sym);
+            qc.desc_act = args.desc_act;
+            qc.static_groups = args.static_groups;
+            qc.damp_percent = args.damp_percent;
+            write_packed_dir(&cfg, &qsrc, &tok, &qm.quantized, &qc, &args.out)?
+        }
     };
     eprintln!(
         "wrote {} ({:.1} MB, {} quantized linears) in {:.1}s",
