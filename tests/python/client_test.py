@@ -11,7 +11,7 @@ Checks, each against an independent value:
 - a seeded sampled request gives the same text alone and inside a batch of 16 concurrent ones;
 - HTTP 400 with an OpenAI error body for unknown model, bad JSON, out-of-range params, prompt
   over the context;
-- ~50 mixed requests with client-side cancellations leave every KV block free.
+- 200 mixed requests with client-side cancellations leave every KV block free.
 Exits 0 when all pass, 1 on the first failure, 2 when `openai` is not installed.
 """
 
@@ -169,7 +169,9 @@ def main():
     check(status == 400 and "error" in body, f"bad messages: {status} {body}")
     print("ok errors")
 
-    # 9. ~50 mixed requests with cancellations; afterwards no KV block is in use.
+    # 9. 200 mixed requests with cancellations (the serving issue's count); afterwards no KV
+    # block is in use.
+    n_mixed = 200
     def job(i):
         c = OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
         kind = i % 5
@@ -197,7 +199,7 @@ def main():
         return r.choices[0].finish_reason
 
     with cf.ThreadPoolExecutor(10) as ex:
-        results = list(ex.map(job, range(50)))
+        results = list(ex.map(job, range(n_mixed)))
     check(all(r in ("stop", "length", "cancelled-stream", "cancelled-timeout", "finished") for r in results), str(results))
     deadline = time.time() + 60
     while True:
@@ -207,8 +209,9 @@ def main():
         check(time.time() < deadline, f"KV blocks still used after mixed load: {m}")
         time.sleep(0.2)
     check(m["deco_kv_blocks_free"] == m["deco_kv_blocks_total"], f"free != total: {m}")
-    check(m["deco_requests_cancelled_total"] >= 10, f"expected cancellations to be counted: {m}")
-    print(f"ok 50 mixed requests with cancellations, all {int(m['deco_kv_blocks_total'])} blocks free "
+    check(m["deco_requests_cancelled_total"] >= n_mixed // 5, f"expected cancellations to be counted: {m}")
+    check(len(results) == n_mixed, f"{len(results)} results")
+    print(f"ok {n_mixed} mixed requests with cancellations, all {int(m['deco_kv_blocks_total'])} blocks free "
           f"({int(m['deco_requests_cancelled_total'])} cancelled)")
     print(f"ALL OK in {time.time() - t0:.1f}s")
 
