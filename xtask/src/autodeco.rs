@@ -38,6 +38,9 @@ pub struct Options {
     pub meta_problems: usize,
     /// Qwen2.5-Coder-0.5B problems (0 = skip).
     pub qwen_problems: usize,
+    /// Qwen heads: training examples and steps.
+    pub qwen_train_examples: usize,
+    pub qwen_steps: usize,
     pub deco_bin: Option<PathBuf>,
 }
 
@@ -195,15 +198,43 @@ pub fn run(o: &Options) -> Result<()> {
     let oracle = r.eval("oracle", &model, &a)?;
     rows.push((format!("best static (T = {bt}, top_p = {bp}; oracle)"), format!("{} problems, n = {}", o.sample_problems, o.n), oracle.clone()));
     // Qwen (optional).
-    let mut qwen_rows = Vec::new();
+    let mut qwen_rows: Vec<(String, String, Value)> = Vec::new();
+    let mut qwen_train = None;
     if o.qwen_problems > 0 {
         fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![fetch::What::Qwen05b] })?;
         let q = o.cache.join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+        let qheads = root.join("qwen05b-gsm");
+        let qstamp = root.join("qwen05b-gsm.args.json");
+        let qargs: Vec<String> = vec![
+            s("--steps"), s(o.qwen_steps), s("--max-examples"), s(o.qwen_train_examples), s("--heldout-examples"), s(8), s("--eval-every"), s(25), s("--seed"), s(0),
+        ];
+        let fresh = fs::read_to_string(&qstamp).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()) == Some(json!(qargs));
+        if !(fresh && qheads.join("autodeco_heads.safetensors").is_file()) {
+            let mut cmd = Command::new(&bin);
+            cmd.args(["autodeco", "train", "--model"]).arg(&q).arg("--data").arg(&train_data).arg("--out").arg(&qheads).args(&qargs);
+            eprintln!("bench autodeco: {}", util::show(&cmd));
+            let out = cmd.stderr(std::process::Stdio::piped()).output()?;
+            let err = String::from_utf8_lossy(&out.stderr).to_string();
+            if !out.status.success() {
+                bail!("deco autodeco train (qwen) failed: {}\n{err}", out.status);
+            }
+            fs::write(root.join("qwen05b-gsm.train.log"), &err)?;
+            fs::write(&qstamp, serde_json::to_string(&qargs)?)?;
+        }
+        qwen_train = fs::read_to_string(root.join("qwen05b-gsm.train.log")).ok().and_then(|t| t.lines().rev().find(|l| l.contains("heldout_loss_after")).map(str::to_string));
+        let qn = o.n.min(2);
         let mut a = common(1, o.qwen_problems);
         a.extend([s("--temperature"), s(0)]);
-        qwen_rows.push(("Qwen2.5-Coder-0.5B greedy", r.eval("qwen-greedy", &q, &a)?));
+        qwen_rows.push(("greedy".into(), format!("{} problems, n = 1", o.qwen_problems), r.eval("qwen-greedy", &q, &a)?));
+        let mut a = common(qn, o.qwen_problems);
+        a.extend([s("--temperature"), s(1), s("--top-p"), s(1)]);
+        qwen_rows.push(("default sampling (T = 1, top_p = 1)".into(), format!("{} problems, n = {qn}", o.qwen_problems), r.eval("qwen-default", &q, &a)?));
+        let mut a = common(qn, o.qwen_problems);
+        a.extend([s("--temperature"), s(1), s("--top-p"), s(1), s("--heads")]);
+        a.push(qheads.display().to_string());
+        qwen_rows.push(("AutoDeco (user T = 1, top_p = 1)".into(), format!("{} problems, n = {qn}", o.qwen_problems), r.eval("qwen-autodeco", &q, &a)?));
     }
-    let md = render(o, &rows, &grid, &meta, &qwen_rows, &root);
+    let md = render(o, &rows, &grid, &meta, &qwen_rows, qwen_train.as_deref(), &root);
     let docs = util::workspace_root().join("docs");
     fs::create_dir_all(docs.join("autodeco"))?;
     let loss_svg = heads.join("loss.svg");
@@ -228,7 +259,15 @@ pub fn run(o: &Options) -> Result<()> {
     Ok(())
 }
 
-fn render(o: &Options, rows: &[(String, String, Value)], grid: &[(f32, f32, f64)], meta: &[(&str, Option<&str>, Value)], qwen: &[(&str, Value)], root: &Path) -> String {
+fn render(
+    o: &Options,
+    rows: &[(String, String, Value)],
+    grid: &[(f32, f32, f64)],
+    meta: &[(&str, Option<&str>, Value)],
+    qwen: &[(String, String, Value)],
+    qwen_train: Option<&str>,
+    root: &Path,
+) -> String {
     let mut ks = vec![1usize];
     while ks.last().copied().unwrap_or(1) * 2 <= o.n {
         ks.push(ks.last().copied().unwrap_or(1) * 2);
@@ -240,24 +279,7 @@ fn render(o: &Options, rows: &[(String, String, Value)], grid: &[(f32, f32, f64)
         o.max_new_tokens,
         o.batch
     );
-    md.push_str("| decoding | problems, samples |");
-    for k in &ks {
-        md.push_str(&format!(" pass@{k} |"));
-    }
-    md.push_str(" mean T | mean P | tok/s |\n|---|---|");
-    for _ in &ks {
-        md.push_str("---|");
-    }
-    md.push_str("---|---|---|\n");
-    for (name, what, v) in rows {
-        md.push_str(&format!("| {name} | {what} |"));
-        for &k in &ks {
-            let x = pass(v, k);
-            md.push_str(&if x.is_nan() { " – |".to_string() } else { format!(" {:.1}% |", 100.0 * x) });
-        }
-        let f = |key: &str| v[key].as_f64().map_or("–".to_string(), |x| format!("{x:.3}"));
-        md.push_str(&format!(" {} | {} | {:.1} |\n", f("mean_T"), f("mean_P"), v["tok_s"].as_f64().unwrap_or(f64::NAN)));
-    }
+    md.push_str(&table(rows, o.n));
     md.push_str(&format!("\nOracle grid ({} problems, n = 1, seed 777), pass@1:\n\n| T \\ top_p |", o.grid_problems));
     for p in &o.grid_top_ps {
         md.push_str(&format!(" {p} |"));
@@ -296,10 +318,42 @@ fn render(o: &Options, rows: &[(String, String, Value)], grid: &[(f32, f32, f64)
             v["mean_P"].as_f64().unwrap_or(f64::NAN)
         ));
     }
-    for (name, v) in qwen {
-        md.push_str(&format!("\n{name}: pass@1 {:.1}% on {} problems.\n", 100.0 * pass(v, 1), v["problems"]));
+    if !qwen.is_empty() {
+        md.push_str(&format!(
+            "\nQwen2.5-Coder-0.5B-Instruct Q4_K_M (heads trained on its first {} GSM train problems, {} steps{}):\n\n",
+            o.qwen_train_examples,
+            o.qwen_steps,
+            qwen_train.map_or(String::new(), |l| format!("; `{}`", l.trim()))
+        ));
+        md.push_str(&table(qwen, o.n.min(2)));
     }
     md.push_str(&format!("\nRaw summaries and every output: `{}`.\n", root.join("results").display()));
+    md
+}
+
+fn table(rows: &[(String, String, Value)], n: usize) -> String {
+    let mut ks = vec![1usize];
+    while ks.last().copied().unwrap_or(1) * 2 <= n {
+        ks.push(ks.last().copied().unwrap_or(1) * 2);
+    }
+    let mut md = String::from("| decoding | problems, samples |");
+    for k in &ks {
+        md.push_str(&format!(" pass@{k} |"));
+    }
+    md.push_str(" mean T | mean P | tok/s |\n|---|---|");
+    for _ in &ks {
+        md.push_str("---|");
+    }
+    md.push_str("---|---|---|\n");
+    for (name, what, v) in rows {
+        md.push_str(&format!("| {name} | {what} |"));
+        for &k in &ks {
+            let x = pass(v, k);
+            md.push_str(&if x.is_nan() { " – |".to_string() } else { format!(" {:.1}% |", 100.0 * x) });
+        }
+        let f = |key: &str| v[key].as_f64().map_or("–".to_string(), |x| format!("{x:.3}"));
+        md.push_str(&format!(" {} | {} | {:.1} |\n", f("mean_T"), f("mean_P"), v["tok_s"].as_f64().unwrap_or(f64::NAN)));
+    }
     md
 }
 

@@ -11,9 +11,11 @@
 mod autodeco;
 mod bench;
 mod compress;
+mod decoding;
 mod fetch;
 mod manifest;
 mod python;
+mod quant;
 mod util;
 
 use std::path::PathBuf;
@@ -90,6 +92,67 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Decoding strategies: speculative speedup / acceptance (SmolLM2 self-speculative and prompt
+    /// lookup, Qwen2.5-Coder 1.5B + 0.5B draft), beam cost vs num_beams, early exit; updates
+    /// docs/decoding.md.
+    Decoding {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Interleaved repeats of the SmolLM2 runs (median).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Generated tokens per SmolLM2 run.
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// Generated tokens per Qwen2.5-Coder-1.5B run.
+        #[arg(long, default_value_t = 32)]
+        qwen_max_new_tokens: usize,
+        /// Repeats of the Qwen runs.
+        #[arg(long, default_value_t = 1)]
+        qwen_repeats: usize,
+        /// Generated tokens per beam-search run.
+        #[arg(long, default_value_t = 32)]
+        beam_max_new_tokens: usize,
+        /// Teacher-forced early-exit windows (256 tokens of wiki_test).
+        #[arg(long, default_value_t = 2)]
+        ee_windows: usize,
+        /// CPU threads of every deco run.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Skip the Qwen2.5-Coder runs (no 1.6 GB fetch).
+        #[arg(long)]
+        skip_qwen: bool,
+        /// Only run measurements whose label contains one of these (comma-separated).
+        #[arg(long)]
+        only: Option<String>,
+        /// Use this deco binary instead of building deco-cli (release).
+        #[arg(long, value_name = "PATH")]
+        deco_bin: Option<PathBuf>,
+    },
+    /// Quantization of SmolLM2-135M (RTN / GPTQ / AWQ at W8, W4 g128, W4, W3 g128; SmoothQuant
+    /// W8A8; LLM.int8(); NF4): perplexity, KLD, size, time; updates docs/quantization.md.
+    Quant {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Calibration windows (wiki_train).
+        #[arg(long, default_value_t = 16)]
+        nsamples: usize,
+        /// Tokens per calibration window.
+        #[arg(long, default_value_t = 256)]
+        seqlen: usize,
+        /// Perplexity / KLD windows of 256 tokens per text (first 20,000 characters).
+        #[arg(long, default_value_t = 4)]
+        ppl_windows: usize,
+        /// CPU threads of every deco run.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Only rows whose label contains one of these (comma-separated), e.g. "awq,W3".
+        #[arg(long)]
+        only: Option<String>,
+        /// Use this deco binary instead of building deco-cli (release).
+        #[arg(long, value_name = "PATH")]
+        deco_bin: Option<PathBuf>,
+    },
     /// AutoDeco on GSM: trains the heads (cached), then pass@k of greedy, default sampling, the
     /// best static (T, top_p) of a grid (oracle) and AutoDeco; head overhead; meta-instructions.
     /// Updates docs/autodeco.md.
@@ -129,9 +192,16 @@ enum BenchCmd {
         /// Problems of the meta-instruction measurement.
         #[arg(long, default_value_t = 40)]
         meta_problems: usize,
-        /// Qwen2.5-Coder-0.5B greedy problems (0 = skip; fetches ~0.5 GB).
+        /// Qwen2.5-Coder-0.5B problems for greedy, default sampling and AutoDeco (0 = skip;
+        /// fetches ~0.5 GB and trains heads for it).
         #[arg(long, default_value_t = 0)]
         qwen_problems: usize,
+        /// Training examples of the Qwen heads.
+        #[arg(long, default_value_t = 48)]
+        qwen_train_examples: usize,
+        /// Training steps of the Qwen heads.
+        #[arg(long, default_value_t = 200)]
+        qwen_steps: usize,
         /// Use this deco binary instead of building deco-cli (release).
         #[arg(long, value_name = "PATH")]
         deco_bin: Option<PathBuf>,
@@ -227,6 +297,8 @@ fn real_main() -> Result<()> {
                     grid_problems,
                     meta_problems,
                     qwen_problems,
+                    qwen_train_examples,
+                    qwen_steps,
                     deco_bin,
                 },
         } => autodeco::run(&autodeco::Options {
@@ -244,6 +316,49 @@ fn real_main() -> Result<()> {
             grid_problems,
             meta_problems,
             qwen_problems,
+            qwen_train_examples,
+            qwen_steps,
+            deco_bin,
+        }),
+        Cmd::Bench { which: BenchCmd::Quant { cache, nsamples, seqlen, ppl_windows, threads, only, deco_bin } } => {
+            quant::run(&quant::Options {
+                cache: util::cache_dir(cache.cache_dir.as_deref()),
+                no_mirror: cache.no_mirror,
+                nsamples,
+                seqlen,
+                ppl_windows,
+                threads,
+                only,
+                deco_bin,
+            })
+        }
+        Cmd::Bench {
+            which:
+                BenchCmd::Decoding {
+                    cache,
+                    repeats,
+                    max_new_tokens,
+                    qwen_max_new_tokens,
+                    qwen_repeats,
+                    beam_max_new_tokens,
+                    ee_windows,
+                    threads,
+                    skip_qwen,
+                    only,
+                    deco_bin,
+                },
+        } => decoding::run(&decoding::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            repeats,
+            max_new_tokens,
+            qwen_max_new_tokens,
+            qwen_repeats,
+            beam_max_new_tokens,
+            ee_windows,
+            threads,
+            skip_qwen,
+            only,
             deco_bin,
         }),
         Cmd::Fetch { cache, what } => {
