@@ -7,17 +7,23 @@
 //! - [`structured`]: attention heads (GQA-aware), MLP neurons and layers by importance, giving a
 //!   smaller dense model with a valid config;
 //! - [`sparse`]: bitmask + nonzero values storage;
+//! - [`student`]: a trainable (burn `Module`) Llama-family model, loaded from and exported to
+//!   transformers tensors;
+//! - [`distill`]: knowledge distillation (forward KL, MiniLLM reverse KL, chain-of-thought) of a
+//!   frozen teacher into a student, for post-pruning recovery;
 //! - [`export`]: atomic writing of pruned models (dense HF directory or sparse form).
 //!
 //! Weights are `[out, in]` row-major f32 under transformers names throughout.
 
 pub mod error;
+pub mod distill;
 pub mod export;
 pub mod mask;
 pub mod pipeline;
 pub mod sparse;
 pub mod sparsegpt;
 pub mod structured;
+pub mod student;
 pub mod unstructured;
 
 pub use error::{Error, Result};

@@ -1,0 +1,285 @@
+//! A trainable Llama / Qwen2 decoder: the *student* of distillation and recovery fine-tuning.
+//!
+//! [`StudentModel`] is a burn `#[derive(Module)]` whose weights are [`Param`]s, so it trains on
+//! an autodiff device (`Device::flex().autodiff()`) with burn-optim. Its forward is the same math
+//! as `deco_model::Llama::forward` (transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM`):
+//! token embedding, per layer pre-RMSNorm → fused Q/K/V (+ biases) → RoPE → causal GQA attention
+//! → o_proj → residual, pre-RMSNorm → SwiGLU MLP → residual; final RMSNorm and LM head (tied to
+//! the embedding or not). It reuses `deco_kernels::ops` (`rms_norm`, `RopeTable`,
+//! `causal_gqa_attention`, `swiglu`), which are plain burn tensor compositions, so autodiff runs
+//! through them. Full sequences only: no KV cache (training, scoring).
+//!
+//! Weights are stored transposed, `[in, out]` (`y = x @ w`), Q/K/V and gate/up fused along the
+//! output dimension as in `deco_model::Llama`. [`StudentModel::from_source`] loads any f32 tensor
+//! source in transformers names and layout (e.g. `Checkpoint::tensor`);
+//! [`StudentModel::to_hf_tensors`] gives them back for export.
+
+use std::collections::HashMap;
+
+use burn::module::{Module, Param};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use deco_formats::checkpoint::{hf_expected_shape, hf_tensor_names};
+use deco_formats::config::ModelConfig;
+use deco_kernels::ops::{RopeTable, causal_gqa_attention, rms_norm, swiglu};
+use deco_model::llama::config_inv_freq;
+
+use crate::pipeline::TensorFn;
+use crate::{Error, Result, invalid};
+
+/// Tensors by transformers name: `name -> (row-major shape, f32 values)`.
+pub type HfTensors = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// One decoder layer's trainable weights (transposed, `[in, out]`).
+#[derive(Module, Debug)]
+pub struct StudentLayer {
+    /// `[hidden]`: `input_layernorm.weight`.
+    pub attn_norm: Param<Tensor<1>>,
+    /// `[hidden, q + 2·kv]`: q_proj, k_proj, v_proj fused (transposed).
+    pub wqkv: Param<Tensor<2>>,
+    /// `[q + 2·kv]`: Q/K/V biases (Qwen2).
+    pub bqkv: Option<Param<Tensor<1>>>,
+    /// `[q, hidden]`: o_proj (transposed).
+    pub wo: Param<Tensor<2>>,
+    /// `[hidden]`: `post_attention_layernorm.weight`.
+    pub ffn_norm: Param<Tensor<1>>,
+    /// `[hidden, 2·intermediate]`: gate_proj and up_proj fused (transposed).
+    pub w_gate_up: Param<Tensor<2>>,
+    /// `[intermediate, hidden]`: down_proj (transposed).
+    pub w_down: Param<Tensor<2>>,
+}
+
+/// A trainable Llama-family causal LM (see the module docs).
+#[derive(Module, Debug)]
+pub struct StudentModel {
+    /// `[vocab, hidden]`: token embedding (also the LM head when tied).
+    pub embed: Param<Tensor<2>>,
+    /// Decoder layers.
+    pub layers: Vec<StudentLayer>,
+    /// `[hidden]`: final RMSNorm.
+    pub norm: Param<Tensor<1>>,
+    /// `[hidden, vocab]`: untied LM head (transposed); `None` when tied to [`Self::embed`].
+    pub lm_head: Option<Param<Tensor<2>>>,
+}
+
+/// Transposes a row-major `[rows, cols]` buffer.
+fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; data.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = data[r * cols + c];
+        }
+    }
+    out
+}
+
+fn host(t: Tensor<2>) -> Result<Vec<f32>> {
+    Ok(deco_model::calibrate::to_host(t)?)
+}
+
+fn host1(t: Tensor<1>) -> Result<Vec<f32>> {
+    let n = t.dims()[0];
+    host(t.reshape([1, n]))
+}
+
+impl StudentModel {
+    /// Loads the weights of a model with configuration `cfg` from `tensor` (transformers names,
+    /// `[out, in]` row-major f32, e.g. `|n| Ok(ckpt.tensor(n)?)`) onto `device` (use an autodiff
+    /// device to train).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a tensor whose shape differs from what `cfg` implies; the source's
+    /// errors for missing tensors.
+    pub fn from_source(cfg: &ModelConfig, tensor: &TensorFn<'_>, device: &Device) -> Result<Self> {
+        let fetch = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
+            let (shape, data) = tensor(name)?;
+            let want = hf_expected_shape(cfg, name).ok_or_else(|| Error::Shape(format!("unknown tensor `{name}`")))?;
+            if shape != want || data.len() != want.iter().product::<usize>() {
+                return Err(Error::Shape(format!("`{name}` has shape {shape:?}, expected {want:?}")));
+            }
+            Ok((shape, data))
+        };
+        let p1 = |name: &str| -> Result<Param<Tensor<1>>> {
+            let (_, d) = fetch(name)?;
+            let n = d.len();
+            Ok(Param::from_tensor(Tensor::from_data(TensorData::new(d, [n]), device)))
+        };
+        // `[out_i, in]` weights transposed and concatenated along the output: `[in, Σ out_i]`.
+        let fused = |names: &[String]| -> Result<Param<Tensor<2>>> {
+            let mut parts = Vec::new();
+            let mut inner = 0;
+            for n in names {
+                let (s, d) = fetch(n)?;
+                inner = s[1];
+                parts.push((transpose(&d, s[0], s[1]), s[0]));
+            }
+            let total: usize = parts.iter().map(|p| p.1).sum();
+            let mut out = Vec::with_capacity(inner * total);
+            for r in 0..inner {
+                for (d, cols) in &parts {
+                    out.extend_from_slice(&d[r * cols..(r + 1) * cols]);
+                }
+            }
+            Ok(Param::from_tensor(Tensor::from_data(TensorData::new(out, [inner, total]), device)))
+        };
+        let (_, e) = fetch("model.embed_tokens.weight")?;
+        let embed = Param::from_tensor(Tensor::from_data(TensorData::new(e, [cfg.vocab_size, cfg.hidden_size]), device));
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let bqkv = if cfg.attention_bias {
+                let mut b = fetch(&format!("{p}.self_attn.q_proj.bias"))?.1;
+                b.extend(fetch(&format!("{p}.self_attn.k_proj.bias"))?.1);
+                b.extend(fetch(&format!("{p}.self_attn.v_proj.bias"))?.1);
+                let n = b.len();
+                Some(Param::from_tensor(Tensor::from_data(TensorData::new(b, [n]), device)))
+            } else {
+                None
+            };
+            layers.push(StudentLayer {
+                attn_norm: p1(&format!("{p}.input_layernorm.weight"))?,
+                wqkv: fused(&[format!("{p}.self_attn.q_proj.weight"), format!("{p}.self_attn.k_proj.weight"), format!("{p}.self_attn.v_proj.weight")])?,
+                bqkv,
+                wo: fused(&[format!("{p}.self_attn.o_proj.weight")])?,
+                ffn_norm: p1(&format!("{p}.post_attention_layernorm.weight"))?,
+                w_gate_up: fused(&[format!("{p}.mlp.gate_proj.weight"), format!("{p}.mlp.up_proj.weight")])?,
+                w_down: fused(&[format!("{p}.mlp.down_proj.weight")])?,
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(fused(&["lm_head.weight".to_string()])?) };
+        Ok(Self { embed, layers, norm: p1("model.norm.weight")?, lm_head })
+    }
+
+    /// Logits of every position of `batch` sequences of equal length (full causal forward from
+    /// position 0, no cache).
+    ///
+    /// `freeze_embeddings` detaches the embedding / tied LM head (no gradient reaches it; saves
+    /// the `[hidden, vocab]` weight-gradient product per step).
+    ///
+    /// # Shapes
+    /// - `ids`: `batch` sequences of `seq` tokens each
+    /// - output: `[batch · seq, vocab]`, sequences concatenated in input order
+    ///
+    /// # Errors
+    /// [`Error::InvalidParameter`] for an empty batch, sequences of different lengths, a token
+    /// outside the vocabulary, or a layer count that differs from `cfg`.
+    pub fn forward(&self, cfg: &ModelConfig, ids: &[Vec<u32>], freeze_embeddings: bool) -> Result<Tensor<2>> {
+        let seq = ids.first().map(Vec::len).unwrap_or(0);
+        if seq == 0 || ids.iter().any(|s| s.len() != seq) {
+            return Err(invalid("ids", "need at least one sequence, all of the same non-zero length"));
+        }
+        if self.layers.len() != cfg.num_hidden_layers {
+            return Err(invalid("config", format!("{} layers in the model, {} in the config", self.layers.len(), cfg.num_hidden_layers)));
+        }
+        if let Some(&t) = ids.iter().flatten().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(invalid("ids", format!("token {t} outside the vocabulary of {}", cfg.vocab_size)));
+        }
+        let device = self.embed.val().device();
+        let b = ids.len();
+        let n = b * seq;
+        let flat: Vec<i64> = ids.iter().flatten().map(|&t| t as i64).collect();
+        let idx: Tensor<1, Int> = Tensor::from_data(TensorData::new(flat, [n]), &device);
+        let pos: Vec<i64> = (0..b).flat_map(|_| 0..seq as i64).collect();
+        let pos: Tensor<1, Int> = Tensor::from_data(TensorData::new(pos, [n]), &device);
+        let rope = RopeTable::new(&config_inv_freq(cfg), seq, &device);
+        let mut embed = self.embed.val();
+        if freeze_embeddings {
+            embed = embed.detach();
+        }
+        let mut x = embed.clone().select(0, idx);
+        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (qd, kvd, inter) = (heads * hd, kvh * hd, cfg.intermediate_size);
+        let eps = cfg.rms_norm_eps;
+        for layer in &self.layers {
+            let xn = rms_norm(x.clone(), &layer.attn_norm.val(), eps);
+            let mut qkv = xn.matmul(layer.wqkv.val());
+            if let Some(bias) = &layer.bqkv {
+                qkv = qkv.add(bias.val().unsqueeze_dim::<2>(0));
+            }
+            let q = rope.apply(qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]), &pos);
+            let k = rope.apply(qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]), &pos);
+            let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
+            let mut outs = Vec::with_capacity(b);
+            for s in 0..b {
+                let r = s * seq..(s + 1) * seq;
+                outs.push(causal_gqa_attention(
+                    q.clone().slice([r.clone(), 0..heads, 0..hd]),
+                    k.clone().slice([r.clone(), 0..kvh, 0..hd]),
+                    v.clone().slice([r, 0..kvh, 0..hd]),
+                    0,
+                ));
+            }
+            let attn = if b == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
+            x = x.add(attn.matmul(layer.wo.val()));
+            let xn = rms_norm(x.clone(), &layer.ffn_norm.val(), eps);
+            let gu = xn.matmul(layer.w_gate_up.val());
+            let gate = gu.clone().slice([0..n, 0..inter]);
+            let up = gu.slice([0..n, inter..2 * inter]);
+            x = x.add(swiglu(gate, up).matmul(layer.w_down.val()));
+        }
+        let hidden = rms_norm(x, &self.norm.val(), eps);
+        Ok(match &self.lm_head {
+            Some(w) => hidden.matmul(w.val()),
+            None => hidden.matmul(embed.transpose()),
+        })
+    }
+
+    /// The weights in transformers names and layout (`[out, in]` row-major f32), read back to the
+    /// host: the input of `deco_compress::export::write_dense_dir` and of
+    /// `deco_model::Llama::load_from`.
+    ///
+    /// # Errors
+    /// [`Error::Model`] if a device read fails; [`Error::InvalidParameter`] if `cfg` does not
+    /// describe this model.
+    pub fn to_hf_tensors(&self, cfg: &ModelConfig) -> Result<HfTensors> {
+        if self.layers.len() != cfg.num_hidden_layers {
+            return Err(invalid("config", "layer count differs from the model"));
+        }
+        let mut m = HashMap::new();
+        let h = cfg.hidden_size;
+        // Splits a transposed fused `[in, Σ out_i]` weight into HF `[out_i, in]` tensors.
+        let mut split = |w: &Param<Tensor<2>>, names: &[(String, usize)]| -> Result<()> {
+            let t = w.val();
+            let [inner, total] = t.dims();
+            let d = host(t)?;
+            let back = transpose(&d, inner, total); // [total, inner]
+            let mut row = 0;
+            for (name, out) in names {
+                m.insert(name.clone(), (vec![*out, inner], back[row * inner..(row + out) * inner].to_vec()));
+                row += out;
+            }
+            Ok(())
+        };
+        let (q, kv, i) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size);
+        for (li, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{li}");
+            split(&l.wqkv, &[(format!("{p}.self_attn.q_proj.weight"), q), (format!("{p}.self_attn.k_proj.weight"), kv), (format!("{p}.self_attn.v_proj.weight"), kv)])?;
+            split(&l.wo, &[(format!("{p}.self_attn.o_proj.weight"), h)])?;
+            split(&l.w_gate_up, &[(format!("{p}.mlp.gate_proj.weight"), i), (format!("{p}.mlp.up_proj.weight"), i)])?;
+            split(&l.w_down, &[(format!("{p}.mlp.down_proj.weight"), h)])?;
+        }
+        if let Some(w) = &self.lm_head {
+            split(w, &[("lm_head.weight".to_string(), cfg.vocab_size)])?;
+        }
+        for (li, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{li}");
+            m.insert(format!("{p}.input_layernorm.weight"), (vec![h], host1(l.attn_norm.val())?));
+            m.insert(format!("{p}.post_attention_layernorm.weight"), (vec![h], host1(l.ffn_norm.val())?));
+            if let Some(b) = &l.bqkv {
+                let v = host1(b.val())?;
+                m.insert(format!("{p}.self_attn.q_proj.bias"), (vec![q], v[..q].to_vec()));
+                m.insert(format!("{p}.self_attn.k_proj.bias"), (vec![kv], v[q..q + kv].to_vec()));
+                m.insert(format!("{p}.self_attn.v_proj.bias"), (vec![kv], v[q + kv..].to_vec()));
+            }
+        }
+        m.insert("model.norm.weight".into(), (vec![h], host1(self.norm.val())?));
+        m.insert("model.embed_tokens.weight".into(), (vec![cfg.vocab_size, h], host(self.embed.val())?));
+        debug_assert!(hf_tensor_names(cfg).iter().all(|n| m.contains_key(n)));
+        Ok(m)
+    }
+}
+
+/// Number of scalar parameters of a model with this configuration (embedding, decoder, norms,
+/// untied head; biases included).
+pub fn num_params(cfg: &ModelConfig) -> usize {
+    hf_tensor_names(cfg).iter().filter_map(|n| hf_expected_shape(cfg, n)).map(|s| s.iter().product::<usize>()).sum()
+}
