@@ -92,7 +92,7 @@ fn windows(seed: u64, n: usize, len: usize) -> Vec<Vec<u32>> {
 }
 
 /// Logits of all positions of `eval` windows through `src` with an optional activation hook.
-fn logits(cfg: &ModelConfig, dev: &Device, src: &dyn Fn(&str) -> deco_model::Result<(Vec<usize>, Vec<f32>)>, eval: &[Vec<u32>], hook: Option<&dyn ActHook>) -> Vec<f32> {
+fn logits(cfg: &ModelConfig, dev: &Device, src: &deco_quant::pipeline::TensorFn<'_>, eval: &[Vec<u32>], hook: Option<&dyn ActHook>) -> Vec<f32> {
     let lens: Vec<usize> = eval.iter().map(Vec::len).collect();
     let c = Calibrator::new(cfg, dev, &lens).unwrap();
     let (_, embed) = src("model.embed_tokens.weight").unwrap();
