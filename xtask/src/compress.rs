@@ -3,7 +3,10 @@
 //! For each configuration: `deco prune` (timed, calibration tokens from its `[prune]` line), then
 //! `deco eval ppl` on the first 20,000 characters of `wiki_test.txt` and of
 //! `shakespeare/test.txt` (non-overlapping 256-token windows, no BOS), the output's file size and,
-//! for the dense baseline and the structured models, `deco generate` decode tok/s. The table goes
+//! for the dense baseline and the structured models, `deco generate` decode tok/s. The heads +
+//! neurons model is also recovered by `deco distill --objective kd` from the dense teacher and
+//! measured again (row `... + KD`; its calib-tokens / minutes columns are the training tokens and
+//! the distillation minutes). The table goes
 //! to stdout and between the `bench:compress` markers of `docs/compression.md` (the rest of that
 //! file is prose and is kept), with an SVG plot `docs/compression.svg`.
 
@@ -119,6 +122,55 @@ fn decode_speed(bin: &Path, model: &Path, o: &Options) -> Result<f64> {
     Ok(min_med_max(&v).map_or(0.0, |m| m.1))
 }
 
+/// Recovery of the heads + neurons model by forward-KL distillation from the dense teacher
+/// (`deco distill --objective kd`): steps, sequences per step, tokens per sequence, learning rate.
+/// 60 × 4 × 128 = 30,720 training tokens, ~20 minutes on the 2 shared cores.
+const DISTILL_STEPS: usize = 60;
+const DISTILL_BATCH: usize = 4;
+const DISTILL_SEQLEN: usize = 128;
+const DISTILL_LR: &str = "3e-4";
+
+/// `deco distill` of the pruned model `student` from the GGUF `teacher`, then the same
+/// measurements as the pruned row. The calib-tokens column holds the training tokens and the
+/// minutes column the distillation time.
+fn distill_row(bin: &Path, teacher: &Path, student: &Path, label: &str, pattern: &str, params: &str, o: &Options) -> Result<Row> {
+    let out = student.with_file_name(format!("{}-kd", student.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default()));
+    let _ = fs::remove_dir_all(&out);
+    let t0 = Instant::now();
+    let (so, _) = output(
+        Command::new(bin)
+            .args(["distill", "--teacher"])
+            .arg(teacher)
+            .arg("--student")
+            .arg(student)
+            .args(["--objective", "kd", "--freeze-embeddings", "--seed", "0", "--checkpoint-every", "20"])
+            .args(["--steps", &DISTILL_STEPS.to_string(), "--batch-size", &DISTILL_BATCH.to_string(), "--seqlen", &DISTILL_SEQLEN.to_string(), "--lr", DISTILL_LR])
+            .args(["--threads", &o.threads.to_string()])
+            .arg("--out")
+            .arg(&out)
+            .stderr(Stdio::inherit()),
+    )?;
+    let minutes = t0.elapsed().as_secs_f64() / 60.0;
+    let tokens = field(&so, "[distill]", "tokens").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let model = out.join(format!("checkpoint-{DISTILL_STEPS:06}"));
+    let wiki = o.cache.join("data/wiki_test.txt");
+    let shakes = o.cache.join("data/shakespeare/test.txt");
+    let row = Row {
+        label: format!("{label} + KD {DISTILL_STEPS}×{DISTILL_BATCH}×{DISTILL_SEQLEN}"),
+        kind: "structured + distill",
+        pattern: pattern.to_string(),
+        wiki: ppl(bin, &model, &wiki, o)?,
+        shakespeare: ppl(bin, &model, &shakes, o)?,
+        params: params.to_string(),
+        file_mib: dir_size(&model) as f64 / 1048576.0,
+        calib_tokens: tokens,
+        minutes,
+        decode_tok_s: Some(decode_speed(bin, &model, o)?),
+    };
+    let _ = fs::remove_dir_all(&out);
+    Ok(row)
+}
+
 /// Runs the benchmark, prints the table and updates `docs/compression.md`.
 pub fn run_bench(o: &Options) -> Result<()> {
     fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![What::Model, What::Data] })?;
@@ -195,7 +247,11 @@ pub fn run_bench(o: &Options) -> Result<()> {
         let (w, s) = if storage { (f64::NAN, f64::NAN) } else { (ppl(&bin, &out, &wiki, o)?, ppl(&bin, &out, &shakes, o)?) };
         let decode_tok_s = if structured { Some(decode_speed(&bin, &out, o)?) } else { None };
         let pattern = ["--nm", "--sparsity"].iter().find_map(|f| args.iter().position(|a| a == f).and_then(|i| args.get(i + 1))).cloned().unwrap_or_default();
-        rows.push(Row { label, kind, pattern, wiki: w, shakespeare: s, params, file_mib, calib_tokens, minutes, decode_tok_s });
+        let recover = label.starts_with("heads 6/9 + neurons") && wanted(&format!("{label} + KD"));
+        rows.push(Row { label: label.clone(), kind, pattern: pattern.clone(), wiki: w, shakespeare: s, params: params.clone(), file_mib, calib_tokens, minutes, decode_tok_s });
+        if recover {
+            rows.push(distill_row(&bin, &model, &out, &label, &pattern, &params, o)?);
+        }
         let _ = fs::remove_dir_all(&out);
         eprintln!("{}", table(&rows));
     }
