@@ -11,6 +11,7 @@
 //!   transformers tensors;
 //! - [`distill`]: knowledge distillation (forward KL, MiniLLM reverse KL, chain-of-thought) of a
 //!   frozen teacher into a student, for post-pruning recovery;
+//! - [`sheared`]: Sheared-LLaMA targeted structured pruning (hard-concrete masks, Lagrangian);
 //! - [`export`]: atomic writing of pruned models (dense HF directory or sparse form).
 //!
 //! Weights are `[out, in]` row-major f32 under transformers names throughout.
@@ -21,6 +22,7 @@ pub mod export;
 pub mod mask;
 pub mod pipeline;
 pub mod sparse;
+pub mod sheared;
 pub mod sparsegpt;
 pub mod structured;
 pub mod student;

@@ -61,6 +61,20 @@ pub struct StudentModel {
     pub lm_head: Option<Param<Tensor<2>>>,
 }
 
+/// Structural masks of [`StudentModel::forward_masked`] (values in `[0, 1]`, typically the
+/// hard-concrete samples of [`crate::sheared`]).
+#[derive(Debug, Clone)]
+pub struct Masks {
+    /// `[layers]`.
+    pub layers: Tensor<1>,
+    /// `[layers, num_attention_heads]`.
+    pub heads: Tensor<2>,
+    /// `[layers, intermediate_size]`.
+    pub intermediate: Tensor<2>,
+    /// `[hidden_size]`.
+    pub hidden: Tensor<1>,
+}
+
 /// Transposes a row-major `[rows, cols]` buffer.
 fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; data.len()];
@@ -163,6 +177,29 @@ impl StudentModel {
     /// [`Error::InvalidParameter`] for an empty batch, sequences of different lengths, a token
     /// outside the vocabulary, or a layer count that differs from `cfg`.
     pub fn forward(&self, cfg: &ModelConfig, ids: &[Vec<u32>], freeze_embeddings: bool) -> Result<Tensor<2>> {
+        self.forward_masked(cfg, ids, freeze_embeddings, None)
+    }
+
+    /// [`StudentModel::forward`] with structural masks multiplied in (Sheared-LLaMA, Xia et al.
+    /// 2024, §2.1; CoFi, Xia et al. 2022, §3): `masks.hidden` on the embedding output and on every
+    /// attention / MLP output before the residual add, `masks.heads[l]` on each head's attention
+    /// output (before o_proj), `masks.intermediate[l]` on the SwiGLU output (before down_proj),
+    /// `masks.layers[l]` on the layer's two residual updates. All-ones masks give
+    /// [`StudentModel::forward`].
+    ///
+    /// # Shapes
+    /// As [`StudentModel::forward`]; masks: `layers [L]`, `heads [L, heads]`,
+    /// `intermediate [L, intermediate]`, `hidden [hidden]`.
+    ///
+    /// # Errors
+    /// As [`StudentModel::forward`]; [`Error::Shape`] for masks of the wrong size.
+    pub fn forward_masked(&self, cfg: &ModelConfig, ids: &[Vec<u32>], freeze_embeddings: bool, masks: Option<&Masks>) -> Result<Tensor<2>> {
+        if let Some(m) = masks {
+            let l = cfg.num_hidden_layers;
+            if m.layers.dims() != [l] || m.heads.dims() != [l, cfg.num_attention_heads] || m.intermediate.dims() != [l, cfg.intermediate_size] || m.hidden.dims() != [cfg.hidden_size] {
+                return Err(Error::Shape("masks do not match the model configuration".into()));
+            }
+        }
         let seq = ids.first().map(Vec::len).unwrap_or(0);
         if seq == 0 || ids.iter().any(|s| s.len() != seq) {
             return Err(invalid("ids", "need at least one sequence, all of the same non-zero length"));
@@ -186,10 +223,24 @@ impl StudentModel {
             embed = embed.detach();
         }
         let mut x = embed.clone().select(0, idx);
+        let hidden_mask = masks.map(|m| m.hidden.clone().unsqueeze_dim::<2>(0));
+        if let Some(hm) = &hidden_mask {
+            x = x.mul(hm.clone());
+        }
+        // A residual update scaled by the layer mask and the hidden mask.
+        let scale = |li: usize, y: Tensor<2>| -> Tensor<2> {
+            match masks {
+                None => y,
+                Some(m) => {
+                    let lz = m.layers.clone().slice(li..li + 1).unsqueeze_dim::<2>(0);
+                    y.mul(lz).mul(m.hidden.clone().unsqueeze_dim::<2>(0))
+                }
+            }
+        };
         let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let (qd, kvd, inter) = (heads * hd, kvh * hd, cfg.intermediate_size);
         let eps = cfg.rms_norm_eps;
-        for layer in &self.layers {
+        for (li, layer) in self.layers.iter().enumerate() {
             let xn = rms_norm(x.clone(), &layer.attn_norm.val(), eps);
             let mut qkv = xn.matmul(layer.wqkv.val());
             if let Some(bias) = &layer.bqkv {
@@ -208,13 +259,21 @@ impl StudentModel {
                     0,
                 ));
             }
-            let attn = if b == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
-            x = x.add(attn.matmul(layer.wo.val()));
+            let mut attn = if b == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
+            if let Some(m) = masks {
+                let hz = m.heads.clone().slice([li..li + 1, 0..heads]).reshape([1, heads, 1]);
+                attn = attn.reshape([n, heads, hd]).mul(hz).reshape([n, qd]);
+            }
+            x = x.add(scale(li, attn.matmul(layer.wo.val())));
             let xn = rms_norm(x.clone(), &layer.ffn_norm.val(), eps);
             let gu = xn.matmul(layer.w_gate_up.val());
             let gate = gu.clone().slice([0..n, 0..inter]);
             let up = gu.slice([0..n, inter..2 * inter]);
-            x = x.add(swiglu(gate, up).matmul(layer.w_down.val()));
+            let mut act = swiglu(gate, up);
+            if let Some(m) = masks {
+                act = act.mul(m.intermediate.clone().slice([li..li + 1, 0..inter]));
+            }
+            x = x.add(scale(li, act.matmul(layer.w_down.val())));
         }
         let hidden = rms_norm(x, &self.norm.val(), eps);
         Ok(match &self.lm_head {
