@@ -289,7 +289,8 @@ impl ShearedResult {
     /// All tensors of the pruned model (transformers names and layout), with the deterministic
     /// gates of the kept units folded into the weights: head gates into o_proj columns, channel
     /// gates into down_proj columns, layer and hidden gates into o_proj / down_proj rows, hidden
-    /// gates into the embedding columns.
+    /// gates into the embedding columns when it is not tied to the LM head (a tied one is left
+    /// as trained).
     ///
     /// # Errors
     /// As [`ShearedResult::plan`].
@@ -326,9 +327,8 @@ impl ShearedResult {
                         }
                     }
                 }
-            } else if name == "model.embed_tokens.weight" && cfg.tie_word_embeddings {
-                // Tied: the gate cannot be folded into the input side alone; left to training.
-            } else if name == "model.embed_tokens.weight" {
+            } else if name == "model.embed_tokens.weight" && !cfg.tie_word_embeddings {
+                // (Tied embeddings: the hidden gate cannot be folded into the input side alone.)
                 for r in 0..shape[0] {
                     for (c, z) in zd.iter().enumerate() {
                         data[r * cols_of(&shape) + c] *= *z as f32;
