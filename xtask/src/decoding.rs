@@ -587,10 +587,21 @@ fn render(o: &Options, spec: &[SpecRow], smol_wall: f64, qwen_wall: f64, beam: &
             f(x.agreement, 3)
         ));
     }
+    // Sum of the process times of every cached result (the cost of a full, uncached run).
+    let process_s: f64 = fs::read_dir(results)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| fs::read_to_string(e.path()).ok())
+        .filter_map(|t| serde_json::from_str::<Value>(&t).ok())
+        .filter_map(|v| v["result"]["wall_s"].as_f64())
+        .sum();
     md.push_str(&format!(
         "\n![speculative speedup, acceptance, beam cost, early exit](decoding/decoding.svg)\n\n\
-         Benchmark wall time of this render: {total_s:.0} s (cached runs cost nothing). Raw results: `{}`.\n",
-        results.display()
+         A full run spends {:.0} min in `deco` processes (this render took {total_s:.0} s; cached runs cost nothing). \
+         Raw results: `<cache>/decoding/results/*.json`.\n",
+        process_s / 60.0
     ));
     md
 }
@@ -636,11 +647,11 @@ fn plot(path: &Path, spec: &[SpecRow], beam: &[BeamRow], ee: &[EeEvalRow]) -> Re
                 let mut chart = ChartBuilder::on(&areas[panel])
                     .caption(title, ("sans-serif", 16))
                     .margin(10)
-                    .x_label_area_size(110)
+                    .x_label_area_size(150)
                     .y_label_area_size(50)
                     .build_cartesian_2d(-0.5f64..nc - 0.5, 0.0..ymax)?;
                 chart
-                    .configure_mesh()
+                    .configure_mesh().light_line_style(WHITE)
                     .x_labels(configs.len() * 2 + 1)
                     .x_label_formatter(&|v| {
                         let i = v.round();
@@ -678,7 +689,7 @@ fn plot(path: &Path, spec: &[SpecRow], beam: &[BeamRow], ee: &[EeEvalRow]) -> Re
                     .x_label_area_size(40)
                     .y_label_area_size(50)
                     .build_cartesian_2d(0.5f64..8.5, 0.0..tmax)?;
-                chart.configure_mesh().x_desc("num_beams").y_desc("time (s)").draw()?;
+                chart.configure_mesh().light_line_style(WHITE).x_desc("num_beams").y_desc("time (s)").draw()?;
                 let mut prompts: Vec<&str> = Vec::new();
                 for b in beam {
                     if !prompts.contains(&b.prompt) {
@@ -712,7 +723,7 @@ fn plot(path: &Path, spec: &[SpecRow], beam: &[BeamRow], ee: &[EeEvalRow]) -> Re
                     .right_y_label_area_size(50)
                     .build_cartesian_2d(0.0f64..xmax, 0.0f64..1.0)?
                     .set_secondary_coord(0.0f64..xmax, 0.0f64..ymax);
-                chart.configure_mesh().x_desc("fraction of layers skipped").y_desc("top-1 agreement with full model").draw()?;
+                chart.configure_mesh().light_line_style(WHITE).x_desc("fraction of layers skipped").y_desc("top-1 agreement with full model").draw()?;
                 chart.configure_secondary_axes().y_desc("log10(ppl / full ppl)").draw()?;
                 let c1 = Palette99::pick(2).to_rgba();
                 let c2 = Palette99::pick(3).to_rgba();
