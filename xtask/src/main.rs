@@ -108,7 +108,7 @@ enum BenchCmd {
         #[arg(long, default_value_t = 32)]
         qwen_max_new_tokens: usize,
         /// Repeats of the Qwen runs.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 3)]
         qwen_repeats: usize,
         /// Generated tokens per beam-search run.
         #[arg(long, default_value_t = 32)]

@@ -5,6 +5,8 @@
 
 mod autodeco;
 mod convert;
+mod distill;
+mod early_exit_eval;
 mod generate;
 mod ppl;
 mod prune;
@@ -48,6 +50,8 @@ enum Command {
     /// Prune a model: magnitude / Wanda / SparseGPT (unstructured or N:M) or structured heads,
     /// neurons, layers; writes a Hugging Face directory (or the sparse form).
     Prune(prune::PruneArgs),
+    /// Distill a frozen teacher into a student (e.g. a pruned model): kd, reverse-kl or cot.
+    Distill(distill::DistillArgs),
     /// AutoDeco: learned per-token temperature and top-p heads (train them here; decode with
     /// `deco generate --autodeco HEADS`).
     #[command(subcommand)]
@@ -64,6 +68,8 @@ enum EvalCommand {
     Ppl(ppl::PplArgs),
     /// Mean KL(reference || model) per token, top-1 agreement and both perplexities.
     Kld(kld::KldArgs),
+    /// Early exit vs the full model, teacher-forced: both perplexities, top-1 agreement, layers skipped.
+    EarlyExit(early_exit_eval::EarlyExitEvalArgs),
 }
 
 /// Options shared by the commands that load a model.
@@ -103,8 +109,10 @@ fn main() -> ExitCode {
         Command::Convert(args) => convert::run(&args),
         Command::Eval(EvalCommand::Ppl(args)) => ppl::run(&args),
         Command::Prune(args) => prune::run(&args),
+        Command::Distill(args) => distill::run(&args),
         Command::Autodeco(cmd) => autodeco::run(&cmd),
         Command::Eval(EvalCommand::Kld(args)) => kld::run(&args),
+        Command::Eval(EvalCommand::EarlyExit(args)) => early_exit_eval::run(&args),
         Command::Quantize(args) => quantize::run(&args),
     };
     match result {
