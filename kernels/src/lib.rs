@@ -8,8 +8,12 @@
 //! [`quant`] holds CPU matmul kernels on packed GGUF blocks (Q4_0, Q4_1, Q8_0), used by the
 //! model for quantized checkpoints without an f32 copy of the weights.
 //!
+//! [`attention`] holds the fused CPU decode-attention kernel over a paged or contiguous KV
+//! cache in host memory (one call per layer for a whole decode batch).
+//!
 //! [`device`] turns a user-facing name (`flex`, `wgpu`, `cuda`) into a burn [`burn::tensor::Device`].
 
+pub mod attention;
 pub mod device;
 pub mod error;
 pub mod ops;

@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorData};
+pub use deco_kernels::attention::SeqKv;
 
 use crate::{Error, Result};
 
@@ -37,17 +38,66 @@ pub trait KvCache {
 
     /// Frees everything cached for `seq`.
     fn remove(&mut self, seq: SeqId);
+
+    /// Whether the cache keeps (or can keep) its keys and values in host memory, so that
+    /// [`KvCache::append_host`] and [`KvCache::host_view`] work (the model then uses the fused
+    /// CPU decode attention `deco_kernels::attention::paged_decode_attention`). Default: `false`.
+    fn supports_host_kv(&self) -> bool {
+        false
+    }
+
+    /// Like [`KvCache::append`] with the new keys and values already on the host, without
+    /// returning the cached ones (the caller reads them with [`KvCache::host_view`]).
+    ///
+    /// # Shapes
+    /// `k`, `v`: `[new_tokens, kv_heads, head_dim]` row-major.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a cache without host storage (the default), a layer out of
+    /// range or inconsistent shapes; a paged cache's allocation errors.
+    fn append_host(&mut self, layer: usize, seq: SeqId, k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -> Result<()> {
+        let _ = (layer, seq, k, v, kv_heads, head_dim);
+        Err(Error::InvalidInput("this KV cache has no host storage".into()))
+    }
+
+    /// The host storage of `seq` at `layer` for its first `len` positions (committed tokens plus
+    /// the ones appended in the current forward), as the fused attention kernel reads it; `None`
+    /// if the cache has no host storage for it (the default) or holds fewer than `len` positions.
+    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<SeqKv<'_>> {
+        let _ = (layer, seq, len);
+        None
+    }
+}
+
+/// One layer of one sequence in a [`DenseKvCache`].
+#[allow(clippy::large_enum_variant)] // one per layer and sequence; boxing buys nothing
+#[derive(Debug, Clone)]
+enum LayerKv {
+    /// Tensors on the device of the appended keys (any backend, autodiff included), grown by
+    /// concatenation.
+    Device(Tensor<3>, Tensor<3>),
+    /// Host vectors `[tokens, kv_heads, head_dim]` grown in place; used once
+    /// [`KvCache::append_host`] is called (the fused CPU decode path).
+    Host { k: Vec<f32>, v: Vec<f32>, kv_heads: usize, head_dim: usize },
+}
+
+fn host3(t: Tensor<3>) -> Result<Vec<f32>> {
+    t.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))
 }
 
 #[derive(Debug, Default)]
 struct SeqCache {
     len: usize,
-    layers: Vec<Option<(Tensor<3>, Tensor<3>)>>,
+    layers: Vec<Option<LayerKv>>,
 }
 
 /// A contiguous per-sequence cache: each layer's keys and values are one tensor grown by
 /// concatenation. Simple and exact; memory is `2 * layers * tokens * kv_heads * head_dim * 4` bytes
 /// per sequence.
+///
+/// Layers written through [`KvCache::append_host`] (the model's fused CPU decode path) switch to
+/// host vectors grown in place (amortized O(new tokens) per append instead of a concatenation);
+/// [`KvCache::append`] still works on them (it returns copies as tensors).
 #[derive(Debug)]
 pub struct DenseKvCache {
     n_layers: usize,
@@ -61,7 +111,8 @@ impl DenseKvCache {
     }
 
     /// Copies the cache of `from` into a new sequence `to` (beam search, `n > 1` sampling).
-    /// Tensors are reference-counted by burn, so this copies no data until one side appends.
+    /// Device tensors are reference-counted by burn, so those copy no data until one side
+    /// appends; host layers (see the type docs) are copied here.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] if `from` is unknown.
@@ -84,9 +135,9 @@ impl KvCache for DenseKvCache {
         }
         let n_layers = self.n_layers;
         let s = self.seqs.entry(seq).or_insert_with(|| SeqCache { len: 0, layers: vec![None; n_layers] });
-        let merged = match s.layers[layer].take() {
-            None => (k, v),
-            Some((ck, cv)) => {
+        let (stored, merged) = match s.layers[layer].take() {
+            None => (LayerKv::Device(k.clone(), v.clone()), (k, v)),
+            Some(LayerKv::Device(ck, cv)) => {
                 // Entries past `len` are uncommitted leftovers (a truncate without rollback); drop them.
                 let [cached, kvh, hd] = ck.dims();
                 let (ck, cv) = if cached > s.len {
@@ -94,10 +145,34 @@ impl KvCache for DenseKvCache {
                 } else {
                     (ck, cv)
                 };
-                (Tensor::cat(vec![ck, k], 0), Tensor::cat(vec![cv, v], 0))
+                let merged = (Tensor::cat(vec![ck, k], 0), Tensor::cat(vec![cv, v], 0));
+                (LayerKv::Device(merged.0.clone(), merged.1.clone()), merged)
+            }
+            Some(LayerKv::Host { k: mut hk, v: mut hv, kv_heads, head_dim }) => {
+                let [n, kh, hd] = k.dims();
+                if kh != kv_heads || hd != head_dim || v.dims() != [n, kh, hd] {
+                    s.layers[layer] = Some(LayerKv::Host { k: hk, v: hv, kv_heads, head_dim });
+                    return Err(Error::InvalidInput(format!(
+                        "cache holds [_, {kv_heads}, {head_dim}] keys/values, got {:?} / {:?}",
+                        k.dims(),
+                        v.dims()
+                    )));
+                }
+                let device = k.device();
+                let row = kv_heads * head_dim;
+                hk.truncate(s.len * row);
+                hv.truncate(s.len * row);
+                hk.extend(host3(k)?);
+                hv.extend(host3(v)?);
+                let shape = [hk.len() / row, kv_heads, head_dim];
+                let merged = (
+                    Tensor::from_data(TensorData::new(hk.clone(), shape), &device),
+                    Tensor::from_data(TensorData::new(hv.clone(), shape), &device),
+                );
+                (LayerKv::Host { k: hk, v: hv, kv_heads, head_dim }, merged)
             }
         };
-        s.layers[layer] = Some(merged.clone());
+        s.layers[layer] = Some(stored);
         Ok(merged)
     }
 
@@ -117,15 +192,128 @@ impl KvCache for DenseKvCache {
             s.layers.iter_mut().for_each(|l| *l = None);
             return Ok(());
         }
-        for (ck, cv) in s.layers.iter_mut().flatten() {
-            let [_, kvh, hd] = ck.dims();
-            *ck = ck.clone().slice([0..len, 0..kvh, 0..hd]);
-            *cv = cv.clone().slice([0..len, 0..kvh, 0..hd]);
+        for l in s.layers.iter_mut().flatten() {
+            match l {
+                LayerKv::Device(ck, cv) => {
+                    let [cached, kvh, hd] = ck.dims();
+                    let keep = len.min(cached);
+                    *ck = ck.clone().slice([0..keep, 0..kvh, 0..hd]);
+                    *cv = cv.clone().slice([0..keep, 0..kvh, 0..hd]);
+                }
+                LayerKv::Host { k, v, kv_heads, head_dim } => {
+                    let keep = len * *kv_heads * *head_dim;
+                    k.truncate(keep);
+                    v.truncate(keep);
+                }
+            }
         }
         Ok(())
     }
 
     fn remove(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
+    }
+
+    fn supports_host_kv(&self) -> bool {
+        true
+    }
+
+    fn append_host(&mut self, layer: usize, seq: SeqId, k: &[f32], v: &[f32], kv_heads: usize, head_dim: usize) -> Result<()> {
+        if layer >= self.n_layers {
+            return Err(Error::InvalidInput(format!("layer {layer} out of range ({} layers)", self.n_layers)));
+        }
+        let row = kv_heads * head_dim;
+        if row == 0 || k.len() != v.len() || !k.len().is_multiple_of(row) {
+            return Err(Error::InvalidInput(format!(
+                "append_host: {} keys / {} values are not rows of [{kv_heads}, {head_dim}]",
+                k.len(),
+                v.len()
+            )));
+        }
+        let n_layers = self.n_layers;
+        let s = self.seqs.entry(seq).or_insert_with(|| SeqCache { len: 0, layers: vec![None; n_layers] });
+        let (mut hk, mut hv) = match s.layers[layer].take() {
+            None => (Vec::new(), Vec::new()),
+            Some(LayerKv::Device(ck, cv)) => {
+                let [cached, kvh, hd] = ck.dims();
+                if kvh != kv_heads || hd != head_dim {
+                    s.layers[layer] = Some(LayerKv::Device(ck, cv));
+                    return Err(Error::InvalidInput(format!(
+                        "cache holds [_, {kvh}, {hd}] keys/values, got rows of [{kv_heads}, {head_dim}]"
+                    )));
+                }
+                let keep = s.len.min(cached);
+                let (ck, cv) = (ck.slice([0..keep, 0..kvh, 0..hd]), cv.slice([0..keep, 0..kvh, 0..hd]));
+                (host3(ck)?, host3(cv)?)
+            }
+            Some(LayerKv::Host { k, v, kv_heads: kh, head_dim: hd }) => {
+                if kh != kv_heads || hd != head_dim {
+                    s.layers[layer] = Some(LayerKv::Host { k, v, kv_heads: kh, head_dim: hd });
+                    return Err(Error::InvalidInput(format!(
+                        "cache holds [_, {kh}, {hd}] keys/values, got rows of [{kv_heads}, {head_dim}]"
+                    )));
+                }
+                (k, v)
+            }
+        };
+        // Entries past `len` are uncommitted leftovers; drop them.
+        hk.truncate(s.len * row);
+        hv.truncate(s.len * row);
+        hk.extend_from_slice(k);
+        hv.extend_from_slice(v);
+        s.layers[layer] = Some(LayerKv::Host { k: hk, v: hv, kv_heads, head_dim });
+        Ok(())
+    }
+
+    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<SeqKv<'_>> {
+        match self.seqs.get(&seq)?.layers.get(layer)?.as_ref()? {
+            LayerKv::Host { k, v, kv_heads, head_dim } => {
+                let n = len * kv_heads * head_dim;
+                (len > 0 && k.len() >= n).then(|| SeqKv { k: &k[..n], v: &v[..n], block_table: &[0], block_size: len, len })
+            }
+            LayerKv::Device(..) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Tensor, TensorData};
+
+    use super::{DenseKvCache, KvCache};
+
+    fn t(vals: &[f32]) -> Tensor<3> {
+        Tensor::from_data(TensorData::new(vals.to_vec(), [vals.len() / 2, 1, 2]), &Device::flex())
+    }
+
+    fn host(t: Tensor<3>) -> Vec<f32> {
+        t.try_into_vec_as::<f32>().expect("read")
+    }
+
+    /// Device-mode appends, a switch to host mode, uncommitted leftovers, truncation and fork
+    /// keep the same contents as plain tensor appends.
+    #[test]
+    fn host_mode_matches_device_mode() {
+        let mut c = DenseKvCache::new(1);
+        c.append(0, 7, t(&[1., 2., 3., 4.]), t(&[5., 6., 7., 8.])).expect("append");
+        c.advance(7, 2);
+        assert!(c.host_view(0, 7, 2).is_none(), "device mode has no host view");
+        c.append_host(0, 7, &[9., 10.], &[11., 12.], 1, 2).expect("host append");
+        let v = c.host_view(0, 7, 3).expect("view");
+        assert_eq!((v.k, v.v, v.len), (&[1., 2., 3., 4., 9., 10.][..], &[5., 6., 7., 8., 11., 12.][..], 3));
+        assert!(c.host_view(0, 7, 4).is_none(), "only 3 positions");
+        // Not advanced: the next append replaces position 2.
+        let (k, v) = c.append(0, 7, t(&[13., 14.]), t(&[15., 16.])).expect("append on host layer");
+        assert_eq!(host(k), [1., 2., 3., 4., 13., 14.]);
+        assert_eq!(host(v), [5., 6., 7., 8., 15., 16.]);
+        c.advance(7, 1);
+        c.fork(7, 8).expect("fork");
+        c.truncate(7, 1).expect("truncate");
+        c.append_host(0, 7, &[0., 0.], &[0., 0.], 1, 2).expect("host append");
+        assert_eq!(c.host_view(0, 7, 2).expect("view").k, &[1., 2., 0., 0.]);
+        assert_eq!(c.host_view(0, 8, 3).expect("fork view").k, &[1., 2., 3., 4., 13., 14.]);
+        assert!(c.append_host(0, 7, &[0.; 3], &[0.; 3], 1, 2).is_err(), "ragged rows");
+        assert!(c.append_host(0, 7, &[0.; 4], &[0.; 4], 2, 2).is_err(), "other kv_heads");
+        assert!(c.append_host(1, 7, &[0.; 2], &[0.; 2], 1, 2).is_err(), "layer out of range");
     }
 }

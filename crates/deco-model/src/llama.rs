@@ -9,6 +9,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use deco_formats::checkpoint::{Checkpoint, hf_expected_shape, hf_to_gguf_name};
 use deco_formats::config::{Architecture, ModelConfig, RopeScaling};
 use deco_formats::ggml::GgmlType;
+use deco_kernels::attention::{AttnShape, paged_decode_attention};
 use deco_kernels::ops::{RopeTable, causal_gqa_attention, rms_norm, rope_inv_freq, swiglu};
 use deco_kernels::quant::{BlockType, PackedMatrix};
 
@@ -134,6 +135,9 @@ pub struct Llama {
     /// `[hidden, vocab]` f32, built on first use of [`Llama::lm_head`] when `head` is packed.
     lm_head_dense: OnceLock<Tensor<2>>,
     rope: RopeTable,
+    /// Use the fused CPU decode attention for sequences with one new token (see
+    /// [`Llama::set_fused_decode_attention`]).
+    fused_decode: bool,
 }
 
 /// Reads a linear weight of a GGUF checkpoint as packed blocks if its type has packed kernels
@@ -397,7 +401,21 @@ impl Llama {
         let norm = t1(get("model.norm.weight")?);
         let max_pos = max_positions.unwrap_or(cfg.max_position_embeddings).min(cfg.max_position_embeddings);
         let rope = RopeTable::new(&config_inv_freq(&cfg), max_pos, device);
-        Ok(Self { config: cfg, device: device.clone(), embed, layers, norm, head, lm_head_dense, rope })
+        let fused_decode = *device == Device::flex();
+        Ok(Self { config: cfg, device: device.clone(), embed, layers, norm, head, lm_head_dense, rope, fused_decode })
+    }
+
+    /// Turns the fused CPU decode attention on or off (on by default when the model lives on the
+    /// CPU `flex` device; it is never used on other devices).
+    ///
+    /// When on, in every layer the sequences of a batch that have exactly one new token (decode)
+    /// and whose cache supports host storage ([`KvCache::supports_host_kv`]) get their attention
+    /// from one call of `deco_kernels::attention::paged_decode_attention`, which reads keys and
+    /// values in place from the cache ([`KvCache::host_view`]); sequences with several new
+    /// tokens (prefill, verification) keep the burn path (`causal_gqa_attention` on the
+    /// gathered keys and values). Off: every sequence takes the burn path (the reference).
+    pub fn set_fused_decode_attention(&mut self, on: bool) {
+        self.fused_decode = on && self.device == Device::flex();
     }
 
     /// The device the weights live on.
@@ -586,12 +604,17 @@ impl Llama {
         let inter = cfg.intermediate_size;
         let (q, k, v) = self.qkv(li, x.clone(), batch)?;
 
-        let mut outs = Vec::with_capacity(batch.spans.len());
-        for (inp, sp) in inputs.iter().zip(&batch.spans) {
-            let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
-            outs.push(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
-        }
-        let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
+        let fused = self.fused_decode && cache.supports_host_kv() && batch.spans.iter().any(|sp| sp.len == 1);
+        let attn = if fused {
+            self.attention_fused(li, q, k, v, batch, inputs, cache)?
+        } else {
+            let mut outs = Vec::with_capacity(batch.spans.len());
+            for (inp, sp) in inputs.iter().zip(&batch.spans) {
+                let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
+                outs.push(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
+            }
+            if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) }
+        };
         let x = x.add(layer.wo.apply(attn)?);
 
         let xn = rms_norm(x.clone(), &layer.ffn_norm, eps);
@@ -599,6 +622,78 @@ impl Llama {
         let gate = gu.clone().slice([0..n, 0..inter]);
         let up = gu.slice([0..n, inter..2 * inter]);
         Ok(x.add(layer.w_down.apply(swiglu(gate, up))?))
+    }
+
+    /// Attention of layer `li` with the fused CPU decode kernel for the sequences with one new
+    /// token and the burn path for the others; `[tokens, heads * head_dim]` in batch order.
+    ///
+    /// The one-token sequences' keys and values go to the cache with [`KvCache::append_host`]
+    /// (the same positions [`KvCache::append`] would write), then one
+    /// [`paged_decode_attention`] call reads every such sequence's cache in place.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_fused(
+        &self,
+        li: usize,
+        q: Tensor<3>,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        batch: &Batch,
+        inputs: &[SeqInput<'_>],
+        cache: &mut dyn KvCache,
+    ) -> Result<Tensor<2>> {
+        let cfg = &self.config;
+        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (qrow, kvrow) = (heads * hd, kvh * hd);
+        let read = |t: Tensor<3>| t.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")));
+        let decode: Vec<usize> = (0..batch.spans.len()).filter(|&i| batch.spans[i].len == 1).collect();
+        let all_decode = decode.len() == batch.spans.len();
+        // The prefill sequences first, through the burn path (their rows are kept by index).
+        let mut prefill_out: Vec<Option<Tensor<2>>> = vec![None; batch.spans.len()];
+        for (i, (inp, sp)) in inputs.iter().zip(&batch.spans).enumerate() {
+            if sp.len != 1 {
+                let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
+                prefill_out[i] = Some(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
+            }
+        }
+        let (qh, kh, vh) = (read(q)?, read(k)?, read(v)?);
+        for &i in &decode {
+            let r = batch.spans[i].start;
+            cache.append_host(li, inputs[i].seq, &kh[r * kvrow..(r + 1) * kvrow], &vh[r * kvrow..(r + 1) * kvrow], kvh, hd)?;
+        }
+        let cache = &*cache;
+        let views = decode
+            .iter()
+            .map(|&i| {
+                let (seq, len) = (inputs[i].seq, batch.spans[i].past + 1);
+                cache
+                    .host_view(li, seq, len)
+                    .ok_or_else(|| Error::InvalidInput(format!("KV cache has no host view of sequence {seq} at layer {li}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let qd: Vec<f32> = if all_decode {
+            qh
+        } else {
+            decode.iter().flat_map(|&i| qh[batch.spans[i].start * qrow..][..qrow].iter().copied()).collect()
+        };
+        let mut out = vec![0.0f32; decode.len() * qrow];
+        paged_decode_attention(&qd, AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd }, &views, &mut out)
+            .map_err(|e| Error::InvalidInput(format!("decode attention: {e}")))?;
+        let fused = Tensor::from_data(TensorData::new(out, [decode.len(), qrow]), &self.device);
+        if all_decode {
+            return Ok(fused);
+        }
+        let mut parts = Vec::with_capacity(batch.spans.len());
+        let mut d = 0;
+        for p in prefill_out {
+            match p {
+                Some(t) => parts.push(t),
+                None => {
+                    parts.push(fused.clone().slice([d..d + 1, 0..qrow]));
+                    d += 1;
+                }
+            }
+        }
+        Ok(Tensor::cat(parts, 0))
     }
 
     /// Final RMSNorm and LM head over the rows `wanted` of the residual stream `x`.

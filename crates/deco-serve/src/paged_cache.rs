@@ -9,12 +9,15 @@
 //! directly from the buffers given [`PagedKvCache::block_table`], [`PagedKvCache::layer_kv`]
 //! and the sequence length.
 //!
-//! # Attention path today
-//! [`KvCache::append`] writes the new keys/values into the sequence's blocks and returns them
-//! *gathered* into contiguous `[len, kv_heads, head_dim]` tensors, which
-//! `deco_kernels::ops::causal_gqa_attention` consumes. The gather costs one copy of the
-//! sequence's cache per layer per step (the same order as `DenseKvCache`'s concatenation); a
-//! paged kernel removes it.
+//! # Attention paths
+//! - Decode (one new token per sequence, CPU model): the model writes the new keys/values with
+//!   [`KvCache::append_host`] and calls `deco_kernels::attention::paged_decode_attention` once
+//!   per layer for the whole batch on [`KvCache::host_view`]s (these buffers plus the block
+//!   table): no gather copy.
+//! - Prefill chunks (several new tokens): [`KvCache::append`] writes the new keys/values into
+//!   the sequence's blocks and returns them *gathered* into contiguous
+//!   `[len, kv_heads, head_dim]` tensors for `deco_kernels::ops::causal_gqa_attention` (one copy
+//!   of the sequence's cache per layer).
 //!
 //! # Sharing
 //! - **Prefix caching**: when token ids are recorded ([`PagedKvCache::record_tokens`]), every
@@ -29,6 +32,7 @@
 use std::collections::HashMap;
 
 use burn::tensor::{Device, Tensor, TensorData};
+use deco_model::kv_cache::SeqKv;
 use deco_model::{KvCache, SeqId};
 
 use crate::block_pool::{BlockId, BlockPool, PrefixKey};
@@ -332,12 +336,16 @@ impl PagedKvCache {
         Ok(())
     }
 
-    fn write_and_gather(&mut self, layer: usize, seq: SeqId, k: &[f32], v: &[f32], n: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// Writes `n` new tokens' keys/values of `seq` at `layer` after its committed positions
+    /// (the blocks must be reserved). Returns the total length.
+    fn write(&mut self, layer: usize, seq: SeqId, k: &[f32], v: &[f32], n: usize) -> Result<usize> {
         let bs = self.shape.block_size;
         let tf = self.token_floats();
         let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
         let (len, table) = (s.len, &s.table);
-        let total = len + n;
+        if table.len() * bs < len + n {
+            return Err(Error::InvalidRequest(format!("sequence {seq}: {n} new tokens not reserved")));
+        }
         let (kl, vl) = (&mut self.k[layer], &mut self.v[layer]);
         for t in 0..n {
             let p = len + t;
@@ -345,6 +353,15 @@ impl PagedKvCache {
             kl[off..off + tf].copy_from_slice(&k[t * tf..(t + 1) * tf]);
             vl[off..off + tf].copy_from_slice(&v[t * tf..(t + 1) * tf]);
         }
+        Ok(len + n)
+    }
+
+    fn write_and_gather(&mut self, layer: usize, seq: SeqId, k: &[f32], v: &[f32], n: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let bs = self.shape.block_size;
+        let tf = self.token_floats();
+        let total = self.write(layer, seq, k, v, n)?;
+        let table = &self.seqs[&seq].table;
+        let (kl, vl) = (&self.k[layer], &self.v[layer]);
         let mut ko = Vec::with_capacity(total * tf);
         let mut vo = Vec::with_capacity(total * tf);
         for (i, &b) in table.iter().enumerate().take(total.div_ceil(bs)) {
@@ -398,6 +415,55 @@ impl KvCache for PagedKvCache {
             s.len += n;
         }
         self.register_full_blocks(seq);
+    }
+
+    fn supports_host_kv(&self) -> bool {
+        true
+    }
+
+    fn append_host(
+        &mut self,
+        layer: usize,
+        seq: SeqId,
+        k: &[f32],
+        v: &[f32],
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> deco_model::Result<()> {
+        let CacheShape { n_layers, kv_heads: kvh, head_dim: hd, .. } = self.shape;
+        if layer >= n_layers {
+            return Err(deco_model::Error::InvalidInput(format!("layer {layer} out of range ({n_layers} layers)")));
+        }
+        let tf = self.token_floats();
+        if kv_heads != kvh || head_dim != hd || k.len() != v.len() || !k.len().is_multiple_of(tf) {
+            return Err(deco_model::Error::InvalidInput(format!(
+                "paged cache expects rows of [{kvh}, {hd}], got {} / {} values of [{kv_heads}, {head_dim}]",
+                k.len(),
+                v.len()
+            )));
+        }
+        let n = k.len() / tf;
+        if layer == 0 {
+            let len = self.seq_len(seq);
+            self.reserve(seq, len + n).map_err(model_err)?;
+        }
+        self.write(layer, seq, k, v, n).map_err(model_err)?;
+        Ok(())
+    }
+
+    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<SeqKv<'_>> {
+        let s = self.seqs.get(&seq)?;
+        let bs = self.shape.block_size;
+        if len == 0 || s.table.len() * bs < len {
+            return None;
+        }
+        Some(SeqKv {
+            k: self.k.get(layer)?,
+            v: self.v.get(layer)?,
+            block_table: &s.table,
+            block_size: bs,
+            len,
+        })
     }
 
     fn truncate(&mut self, seq: SeqId, len: usize) -> deco_model::Result<()> {
