@@ -25,10 +25,14 @@
 //! (FMA with AVX2); relative error against an f64 reference is ~1e-6 of `Σ_p p_p |v_p|`.
 //!
 //! # Parallelism and ISA
-//! One task per (sequence, kv head), run with rayon in the current pool; each task handles the
-//! `n_heads / kv_heads` query heads that share the kv head, so each key/value row is read once.
+//! With at least twice as many sequences as rayon threads, one task per sequence (all its kv
+//! heads, so each key/value row is read once, whole, while it is in L1); with fewer, one task
+//! per (sequence, kv head) so that a single long sequence still uses every core. A task handles
+//! all query heads of its kv heads. Small batches run on the calling thread.
 //! Dot products and the `acc += p · v` updates use AVX2 + FMA when [`Isa::detect`] finds them
 //! (`DECO_KERNELS=scalar` forces the portable loops).
+
+use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -40,7 +44,7 @@ pub const TILE: usize = 32;
 
 /// Below this many multiply-adds in total (`Σ len · n_heads · head_dim · 2`) the tasks run on
 /// the calling thread (rayon's fork/join costs more than the work).
-const PARALLEL_MIN_WORK: usize = 1 << 16;
+const PARALLEL_MIN_WORK: usize = 1 << 18;
 
 /// One sequence's keys and values of one layer, in host memory.
 ///
@@ -155,38 +159,44 @@ pub fn paged_decode_attention_with(
     }
     let isa = if isa.is_available() { isa } else { Isa::Scalar };
     let g = n_heads / kv_heads;
+    // Many sequences: one task per sequence over all its kv heads (each key/value row is read
+    // once, whole); few sequences: one task per (sequence, kv head) so every core gets work.
+    let parallel = work >= PARALLEL_MIN_WORK;
+    let kv_per_task = if parallel && seqs.len() >= 2 * rayon::current_num_threads() { kv_heads } else { 1 };
+    let tasks_per_seq = kv_heads / kv_per_task;
     let task = |(t, o): (usize, &mut [f32])| {
-        let (si, kvh) = (t / kv_heads, t % kv_heads);
-        let qs = &q[(si * n_heads + kvh * g) * head_dim..][..g * head_dim];
+        let (si, kv0) = (t / tasks_per_seq, (t % tasks_per_seq) * kv_per_task);
+        let qs = &q[(si * n_heads + kv0 * g) * head_dim..][..kv_per_task * g * head_dim];
         let s = &seqs[si];
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa` is Avx2 only if `is_available` confirmed AVX2 and FMA on this CPU;
             // the bounds of every row read were checked above.
-            Isa::Avx2 => unsafe { x86::task(qs, s, kvh, shape, o) },
-            _ => scalar_task(qs, s, kvh, shape, o),
+            Isa::Avx2 => unsafe { x86::task(qs, s, kv0..kv0 + kv_per_task, shape, o) },
+            _ => scalar_task(qs, s, kv0..kv0 + kv_per_task, shape, o),
         }
     };
-    if work < PARALLEL_MIN_WORK {
-        out.chunks_mut(g * head_dim).enumerate().for_each(task);
+    let chunk = kv_per_task * g * head_dim;
+    if parallel {
+        out.par_chunks_mut(chunk).enumerate().for_each(task);
     } else {
-        out.par_chunks_mut(g * head_dim).enumerate().for_each(task);
+        out.chunks_mut(chunk).enumerate().for_each(task);
     }
     Ok(())
 }
 
-/// Offset of position `p`, kv head `kvh`, in the storage of `s` (`row` = `kv_heads · head_dim`).
+/// Offset of position `p` (kv head 0) in the storage of `s` (`row` = `kv_heads · head_dim`).
 #[inline(always)]
-fn row_offset(s: &SeqKv<'_>, p: usize, row: usize, kvh: usize, head_dim: usize) -> usize {
-    (s.block_table[p / s.block_size] as usize * s.block_size + p % s.block_size) * row + kvh * head_dim
+fn row_offset(s: &SeqKv<'_>, p: usize, row: usize) -> usize {
+    (s.block_table[p / s.block_size] as usize * s.block_size + p % s.block_size) * row
 }
 
 /// The online-softmax loop of one task, generic over the vector primitives (inlined into the
 /// scalar and the AVX2 entry points).
 ///
-/// `qs`: the `g` query heads sharing kv head `kvh`, `[g, head_dim]`; `o`: `[g, head_dim]` out.
+/// `qs`: the query heads of kv heads `kvs`, `[kvs.len() · g, head_dim]`; `o`: same shape, out.
 #[inline(always)]
-fn task_body<D, A>(qs: &[f32], s: &SeqKv<'_>, kvh: usize, shape: AttnShape, o: &mut [f32], dot: D, axpy: A)
+fn task_body<D, A>(qs: &[f32], s: &SeqKv<'_>, kvs: Range<usize>, shape: AttnShape, o: &mut [f32], dot: D, axpy: A)
 where
     D: Fn(&[f32], &[f32]) -> f32,
     A: Fn(&mut [f32], f32, &[f32]),
@@ -195,10 +205,10 @@ where
     let g = n_heads / kv_heads;
     let row = kv_heads * d;
     let scale = 1.0 / (d as f32).sqrt();
+    let nh = kvs.len() * g;
     // Running max and sum per query head; `o` is the unnormalized accumulator.
-    let mut m = [f32::NEG_INFINITY; 64];
-    let mut l = [0.0f32; 64];
-    debug_assert!(g <= 64);
+    let mut m = vec![f32::NEG_INFINITY; nh];
+    let mut l = vec![0.0f32; nh];
     o.fill(0.0);
     let mut offs = [0usize; TILE];
     let mut sc = [0.0f32; TILE];
@@ -206,47 +216,48 @@ where
     while p0 < s.len {
         let t = TILE.min(s.len - p0);
         for (i, off) in offs[..t].iter_mut().enumerate() {
-            *off = row_offset(s, p0 + i, row, kvh, d);
+            *off = row_offset(s, p0 + i, row);
         }
-        for h in 0..g {
-            let qh = &qs[h * d..(h + 1) * d];
-            let mut tile_max = f32::NEG_INFINITY;
-            for (sv, &off) in sc[..t].iter_mut().zip(&offs[..t]) {
-                *sv = dot(qh, &s.k[off..off + d]) * scale;
-                tile_max = tile_max.max(*sv);
+        for (j, kvh) in kvs.clone().enumerate() {
+            let kvo = kvh * d;
+            for hg in 0..g {
+                let h = j * g + hg;
+                let qh = &qs[h * d..(h + 1) * d];
+                let mut tile_max = f32::NEG_INFINITY;
+                for (sv, &off) in sc[..t].iter_mut().zip(&offs[..t]) {
+                    *sv = dot(qh, &s.k[off + kvo..off + kvo + d]) * scale;
+                    tile_max = tile_max.max(*sv);
+                }
+                let m_new = m[h].max(tile_max);
+                let oh = &mut o[h * d..(h + 1) * d];
+                // exp(-inf) = 0 on the first tile: nothing to rescale.
+                let alpha = (m[h] - m_new).exp();
+                if alpha != 1.0 {
+                    oh.iter_mut().for_each(|x| *x *= alpha);
+                }
+                let mut sum = 0.0f32;
+                for (&sv, &off) in sc[..t].iter().zip(&offs[..t]) {
+                    let p = (sv - m_new).exp();
+                    sum += p;
+                    axpy(oh, p, &s.v[off + kvo..off + kvo + d]);
+                }
+                l[h] = l[h] * alpha + sum;
+                m[h] = m_new;
             }
-            let m_new = m[h].max(tile_max);
-            let oh = &mut o[h * d..(h + 1) * d];
-            // exp(-inf) = 0 on the first tile: nothing to rescale.
-            let alpha = (m[h] - m_new).exp();
-            if alpha != 1.0 {
-                oh.iter_mut().for_each(|x| *x *= alpha);
-            }
-            let mut sum = 0.0f32;
-            for (&sv, &off) in sc[..t].iter().zip(&offs[..t]) {
-                let p = (sv - m_new).exp();
-                sum += p;
-                axpy(oh, p, &s.v[off..off + d]);
-            }
-            l[h] = l[h] * alpha + sum;
-            m[h] = m_new;
         }
         p0 += t;
     }
-    for h in 0..g {
-        let inv = 1.0 / l[h];
+    for (h, lh) in l.iter().enumerate() {
+        let inv = 1.0 / lh;
         o[h * d..(h + 1) * d].iter_mut().for_each(|x| *x *= inv);
     }
 }
 
-fn scalar_task(qs: &[f32], s: &SeqKv<'_>, kvh: usize, shape: AttnShape, o: &mut [f32]) {
-    if shape.n_heads / shape.kv_heads > 64 {
-        return wide_group(qs, s, kvh, shape, o, scalar_task);
-    }
+fn scalar_task(qs: &[f32], s: &SeqKv<'_>, kvs: Range<usize>, shape: AttnShape, o: &mut [f32]) {
     task_body(
         qs,
         s,
-        kvh,
+        kvs,
         shape,
         o,
         |a, b| a.iter().zip(b).map(|(x, y)| x * y).sum(),
@@ -254,35 +265,13 @@ fn scalar_task(qs: &[f32], s: &SeqKv<'_>, kvh: usize, shape: AttnShape, o: &mut 
     );
 }
 
-/// Splits a group of more than 64 query heads per kv head into runs of at most 64 (the size of
-/// the per-task running-max arrays).
-fn wide_group(
-    qs: &[f32],
-    s: &SeqKv<'_>,
-    kvh: usize,
-    shape: AttnShape,
-    o: &mut [f32],
-    f: fn(&[f32], &SeqKv<'_>, usize, AttnShape, &mut [f32]),
-) {
-    let d = shape.head_dim;
-    let g = shape.n_heads / shape.kv_heads;
-    let mut h0 = 0;
-    while h0 < g {
-        let gh = 64.min(g - h0);
-        // A shape with `gh` query heads per kv head and the same row layout is not
-        // expressible, so recurse with a sub-shape whose only meaning is the group size; row
-        // offsets use `kv_heads` and `head_dim`, which are unchanged.
-        let sub = AttnShape { n_heads: gh * shape.kv_heads, ..shape };
-        f(&qs[h0 * d..(h0 + gh) * d], s, kvh, sub, &mut o[h0 * d..(h0 + gh) * d]);
-        h0 += gh;
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{AttnShape, SeqKv, task_body, wide_group};
+    use std::ops::Range;
+
+    use super::{AttnShape, SeqKv, task_body};
 
     /// `Σ a_i b_i` over `a.len()` (= `b.len()`) values, two FMA chains.
     ///
@@ -350,15 +339,11 @@ mod x86 {
     /// # Safety
     /// AVX2 and FMA must be available; the rows of `s` must be in bounds (checked by the caller).
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn task(qs: &[f32], s: &SeqKv<'_>, kvh: usize, shape: AttnShape, o: &mut [f32]) {
-        if shape.n_heads / shape.kv_heads > 64 {
-            // SAFETY: same contract, forwarded.
-            return wide_group(qs, s, kvh, shape, o, |a, b, c, d, e| unsafe { task(a, b, c, d, e) });
-        }
+    pub(super) unsafe fn task(qs: &[f32], s: &SeqKv<'_>, kvs: Range<usize>, shape: AttnShape, o: &mut [f32]) {
         task_body(
             qs,
             s,
-            kvh,
+            kvs,
             shape,
             o,
             // SAFETY: AVX2/FMA are available (this function's contract); every key row slice

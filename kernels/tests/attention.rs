@@ -213,7 +213,7 @@ proptest! {
     }
 }
 
-/// More than 64 query heads per kv head (the per-task state is split) and a dominant late key
+/// More than 64 query heads per kv head and a dominant late key
 /// (the running max changes across tiles).
 #[test]
 fn wide_groups_and_late_max() {
