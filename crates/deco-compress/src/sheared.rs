@@ -7,14 +7,16 @@
 //!   `z = clamp(sigmoid((ln u - ln(1-u) + log α) / β) · (ζ - γ) + γ, 0, 1)`, `u ~ U(0, 1)`, with
 //!   β = 2/3, γ = -0.1, ζ = 1.1 (Louizos eq. 10–11); `P(z > 0) = sigmoid(log α - β ln(-γ/ζ))`
 //!   (eq. 12). The masks multiply into the student's forward ([`StudentModel::forward_masked`]).
-//! - **Target architecture and Lagrangian.** The expected parameter count
-//!   `Ŝ = Σ_l P(z_l) · D̂ · (2·d_h·Σ_h P(z_lh) + 2·kv + 3·Σ_i P(z_li))`, `D̂ = Σ_j P(z_j)`
-//!   (q/o per query head, k/v kept as in `structured`'s default GQA mode, gate/up/down per
-//!   channel), normalized by the full model's, is pushed toward the target's `t` by
-//!   `λ₁ (Ŝ - t) + λ₂ (Ŝ - t)²` (Sheared-LLaMA eq. 1 with the parameter count standing in for
-//!   the per-structure counts), minimized over weights and masks and *maximized* over λ₁, λ₂
-//!   (gradient ascent: `λ₁ += η_λ (Ŝ - t)`, `λ₂ += η_λ (Ŝ - t)²`). The LM loss is next-token
-//!   cross-entropy.
+//! - **Target architecture and Lagrangian.** For each structure `k` (layers, heads, channels,
+//!   hidden dimensions) the expected kept fraction `ŝ_k` (mean `P(z > 0)`) is pushed toward the
+//!   target's `t_k` by `λ₁ₖ (ŝ_k - t_k) + λ₂ₖ (ŝ_k - t_k)²` (Sheared-LLaMA eq. 1), minimized over
+//!   weights and masks and *maximized* over the λ (gradient ascent: `λ₁ₖ += η_λ (ŝ_k - t_k)`,
+//!   `λ₂ₖ += η_λ (ŝ_k - t_k)²`). The LM loss is next-token cross-entropy. The expected decoder
+//!   size `Ŝ = Σ_l P(z_l) · D̂ · (2·d_h·Σ_h P(z_lh) + 2·kv + 3·Σ_i P(z_li))`, `D̂ = Σ_j P(z_j)`
+//!   (q/o per query head, k/v kept as in `structured`'s default GQA mode), normalized by the full
+//!   model's, is reported ([`MaskLogits::expected_size`]). (A single constraint on `Ŝ` alone,
+//!   tried first, lets the optimizer shrink whichever structure is cheapest — the hidden
+//!   dimensions — and the final architecture then does not match what was learned.)
 //! - **Final architecture.** The units with the largest log α are kept, exactly the target
 //!   counts ([`ShearedResult::plan`], reusing [`StructuredPlan`]; heads per KV group as
 //!   [`HeadMode::QueryPerGroup`]), with the deterministic gate values of the kept units folded
@@ -121,6 +123,21 @@ impl MaskLogits {
         let total = open_probability(self.layers.val()).mul(per_layer).sum().mul(d);
         total.div_scalar(full_size(cfg))
     }
+
+    /// Expected kept fraction of each structure, `[4]`: layers, heads, intermediate channels,
+    /// hidden dimensions (mean `P(z > 0)` over the gates of each kind), differentiable in log α:
+    /// the quantities the Lagrangian constrains (Sheared-LLaMA eq. 1, one term per structure).
+    pub fn expected_fractions(&self) -> Tensor<1> {
+        Tensor::cat(
+            vec![
+                open_probability(self.layers.val()).mean(),
+                open_probability(self.heads.val()).mean(),
+                open_probability(self.intermediate.val()).mean(),
+                open_probability(self.hidden.val()).mean(),
+            ],
+            0,
+        )
+    }
 }
 
 fn full_size(cfg: &ModelConfig) -> f64 {
@@ -156,6 +173,17 @@ impl Target {
             return Err(invalid("target", format!("{} heads is not a multiple of the {} KV heads", self.heads, cfg.num_key_value_heads)));
         }
         Ok(())
+    }
+
+    /// Kept fraction of each structure (layers, heads, intermediate, hidden), the targets of
+    /// [`MaskLogits::expected_fractions`].
+    pub fn fractions(&self, cfg: &ModelConfig) -> [f64; 4] {
+        [
+            self.layers as f64 / cfg.num_hidden_layers as f64,
+            self.heads as f64 / cfg.num_attention_heads as f64,
+            self.intermediate as f64 / cfg.intermediate_size as f64,
+            self.hidden as f64 / cfg.hidden_size as f64,
+        ]
     }
 
     /// The target's decoder size as a fraction of `cfg`'s (the formula of
@@ -217,8 +245,10 @@ pub struct ShearLog {
     pub lm_loss: f64,
     /// Expected size `Ŝ` (fraction of the full decoder).
     pub expected_size: f64,
-    /// λ₁, λ₂ after the step.
-    pub lambdas: (f64, f64),
+    /// Expected kept fractions (layers, heads, intermediate, hidden).
+    pub fractions: [f64; 4],
+    /// `(λ₁, λ₂)` of each structure after the step.
+    pub lambdas: [(f64, f64); 4],
     /// Domain weights used for the step.
     pub domain_weights: Vec<f64>,
 }
@@ -389,8 +419,9 @@ pub fn shear(model: StudentModel, cfg: &ModelConfig, domains: &[Vec<u32>], refer
     let mut masks = MaskLogits::init(cfg, sc.init_log_alpha, &device);
     let mut opt_model = AdamConfig::new().init();
     let mut opt_masks = AdamConfig::new().init();
-    let t = sc.target.size(cfg);
-    let (mut l1, mut l2) = (0.0f64, 0.0f64);
+    let tf = sc.target.fractions(cfg);
+    let tf_t: Tensor<1> = Tensor::from_data(TensorData::new(tf.iter().map(|&v| v as f32).collect::<Vec<_>>(), [4]), &device);
+    let mut lambdas = [(0.0f64, 0.0f64); 4];
     let mut weights = vec![1.0 / domains.len() as f64; domains.len()];
     let mut acc_sum = vec![0.0f64; domains.len()];
     let mut acc_cnt = vec![0usize; domains.len()];
@@ -446,11 +477,14 @@ pub fn shear(model: StudentModel, cfg: &ModelConfig, domains: &[Vec<u32>], refer
             }
         }
         let lm = cross_entropy_weighted(logits, &labels, &w)?;
-        let size = masks.expected_size(cfg);
-        let gap = size.clone().sub_scalar(t);
-        let lag = gap.clone().mul_scalar(l1).add(gap.clone().mul(gap).mul_scalar(l2));
+        let fr = masks.expected_fractions();
+        let gap = fr.clone().sub(tf_t.clone());
+        let l1: Tensor<1> = Tensor::from_data(TensorData::new(lambdas.iter().map(|l| l.0 as f32).collect::<Vec<_>>(), [4]), &device);
+        let l2: Tensor<1> = Tensor::from_data(TensorData::new(lambdas.iter().map(|l| l.1 as f32).collect::<Vec<_>>(), [4]), &device);
+        let lag = gap.clone().mul(l1).sum().add(gap.clone().mul(gap).mul(l2).sum());
         let lm_v = host1(lm.clone().detach())?[0];
-        let s_v = host1(size.detach())?[0];
+        let s_v = host1(masks.expected_size(cfg).detach())?[0];
+        let fr_v = host1(fr.detach())?;
         let loss = lm.add(lag);
         let mut grads = loss.backward();
         let gm = GradientsParams::from_module(&mut grads, &model);
@@ -458,9 +492,14 @@ pub fn shear(model: StudentModel, cfg: &ModelConfig, domains: &[Vec<u32>], refer
         model = opt_model.step(sc.lr, model, gm);
         masks = opt_masks.step(sc.mask_lr, masks, gk);
         // Gradient ascent on the multipliers.
-        l1 += sc.lambda_lr * (s_v - t);
-        l2 += sc.lambda_lr * (s_v - t) * (s_v - t);
-        let row = ShearLog { step, lm_loss: lm_v, expected_size: s_v, lambdas: (l1, l2), domain_weights: weights.clone() };
+        let mut fractions = [0.0; 4];
+        for k in 0..4 {
+            let g = fr_v[k] - tf[k];
+            lambdas[k].0 += sc.lambda_lr * g;
+            lambdas[k].1 += sc.lambda_lr * g * g;
+            fractions[k] = fr_v[k];
+        }
+        let row = ShearLog { step, lm_loss: lm_v, expected_size: s_v, fractions, lambdas, domain_weights: weights.clone() };
         progress(&row);
         log.push(row);
         if domains.len() > 1 && sc.domain_eta > 0.0 && step % sc.domain_update_every.max(1) == 0 {
