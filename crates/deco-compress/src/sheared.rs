@@ -492,12 +492,10 @@ pub fn shear(model: StudentModel, cfg: &ModelConfig, domains: &[Vec<u32>], refer
         model = opt_model.step(sc.lr, model, gm);
         masks = opt_masks.step(sc.mask_lr, masks, gk);
         // Gradient ascent on the multipliers.
-        let mut fractions = [0.0; 4];
-        for k in 0..4 {
-            let g = fr_v[k] - tf[k];
-            lambdas[k].0 += sc.lambda_lr * g;
-            lambdas[k].1 += sc.lambda_lr * g * g;
-            fractions[k] = fr_v[k];
+        let fractions = [fr_v[0], fr_v[1], fr_v[2], fr_v[3]];
+        for ((lam, f), t) in lambdas.iter_mut().zip(&fractions).zip(&tf) {
+            lam.0 += sc.lambda_lr * (f - t);
+            lam.1 += sc.lambda_lr * (f - t) * (f - t);
         }
         let row = ShearLog { step, lm_loss: lm_v, expected_size: s_v, fractions, lambdas, domain_weights: weights.clone() };
         progress(&row);
