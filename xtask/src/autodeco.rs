@@ -337,7 +337,8 @@ fn render(
         ));
         md.push_str(&table(qwen, o.n.min(2)));
     }
-    md.push_str(&format!("\nRaw summaries and every output: `{}`.\n", root.join("results").display()));
+    let _ = root;
+    md.push_str("\nRaw summaries and every output: `<cache>/autodeco/results/` (`.cache/` or `$DECO_CACHE`).\n");
     md
 }
 

@@ -167,8 +167,8 @@ fn step_losses(
     let t_host = t.clone().detach().try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))?;
     let stats = if cfg.use_enhanced_features {
         let mut s = Vec::with_capacity(n * NUM_STATS);
-        for i in 0..n {
-            s.extend_from_slice(&prob_stats(&b.logits[i * cfg.vocab_size..(i + 1) * cfg.vocab_size], t_host[i]));
+        for (row, &t) in b.logits.chunks_exact(cfg.vocab_size).zip(&t_host) {
+            s.extend_from_slice(&prob_stats(row, t));
         }
         Some(Tensor::<2>::from_data(TensorData::new(s, [n, NUM_STATS]), device))
     } else {
