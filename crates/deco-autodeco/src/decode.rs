@@ -15,6 +15,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use deco_decoding::{
     FinishReason, LogitsProcessorList, ProcessContext, SampleOutput, Sampler, SamplerOrder, SamplingParams, StoppingCriteria,
 };
@@ -202,14 +204,21 @@ pub fn generate_batch_timed(
         while !active.is_empty() {
             let mut next: Vec<(u64, u32)> = Vec::new();
             let mut done = Vec::new();
-            for (ai, a) in active.iter_mut().enumerate() {
+            // The heads of every active sequence at once, in parallel (like the model's forward).
+            let predicted: Vec<Option<HeadOutput>> = match heads {
+                Some(h) => {
+                    let th = Instant::now();
+                    let p = active.par_iter().map(|a| h.predict(&a.hidden, &a.logits).map(Some)).collect::<Result<Vec<_>>>()?;
+                    stats.heads_s += th.elapsed().as_secs_f64();
+                    p
+                }
+                None => vec![None; active.len()],
+            };
+            for (ai, (a, predicted)) in active.iter_mut().zip(predicted).enumerate() {
                 let r = &requests[a.req];
                 let ctx = ProcessContext::new(&r.prompt, &a.output.tokens, eos_token_ids);
-                let (out, head): (SampleOutput, Option<HeadOutput>) = match heads {
-                    Some(h) => {
-                        let th = Instant::now();
-                        let ho = h.predict(&a.hidden, &a.logits)?;
-                        stats.heads_s += th.elapsed().as_secs_f64();
+                let (out, head): (SampleOutput, Option<HeadOutput>) = match predicted {
+                    Some(ho) => {
                         let ts = Instant::now();
                         let p = combine(&r.params, ho);
                         let procs = LogitsProcessorList::from_params(&p, order)?;
