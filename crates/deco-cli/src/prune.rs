@@ -34,6 +34,10 @@ pub enum PruneMethod {
     Neurons,
     /// Structured: whole decoder layers (block influence).
     Layers,
+    /// Sheared-LLaMA targeted structured pruning (Xia et al. 2024): hard-concrete masks on
+    /// layers / heads / channels / hidden, Lagrangian constraint toward `--target`, trained on
+    /// wiki + Shakespeare + GSM with dynamic batch loading; exports the pruned model.
+    Sheared,
 }
 
 /// Comparison group of magnitude pruning.
@@ -124,6 +128,18 @@ pub struct PruneArgs {
     /// Output directory (must not exist, or be empty); written atomically.
     #[arg(long)]
     out: PathBuf,
+    /// Sheared: target architecture `LAYERS,HEADS,INTERMEDIATE,HIDDEN` (heads per layer).
+    #[arg(long)]
+    target: Option<String>,
+    /// Sheared: optimizer steps.
+    #[arg(long, default_value_t = 60)]
+    steps: usize,
+    /// Sheared: sequences per step.
+    #[arg(long, default_value_t = 2)]
+    batch_size: usize,
+    /// Sheared: Adam learning rate of the weights.
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
 }
 
 /// Finds `data/REL` the way the tests and `cargo xtask fetch` lay it out.
@@ -158,6 +174,15 @@ fn bar(len: usize, what: &str) -> ProgressBar {
 
 /// Runs the command.
 pub fn run(args: &PruneArgs) -> Result<()> {
+    if args.method.contains(&PruneMethod::Sheared) {
+        if args.method.len() != 1 {
+            bail!("--method sheared cannot be combined with other methods");
+        }
+        return run_sheared(args);
+    }
+    if args.target.is_some() {
+        bail!("--target applies to --method sheared only");
+    }
     let methods = &args.method;
     let structured = |m: &PruneMethod| matches!(m, PruneMethod::Heads | PruneMethod::Neurons | PruneMethod::Layers);
     let n_struct = methods.iter().filter(|m| structured(m)).count();
@@ -302,5 +327,108 @@ pub fn run(args: &PruneArgs) -> Result<()> {
             args.out.display()
         );
     }
+    Ok(())
+}
+
+/// `--method sheared`: Sheared-LLaMA on three domains (wiki, Shakespeare, GSM train), then the
+/// hard prune to `--target`, written as a dense model.
+fn run_sheared(args: &PruneArgs) -> Result<()> {
+    use burn::tensor::Device;
+    use deco_compress::distill::cross_entropy_weighted;
+    use deco_compress::sheared::{ShearConfig, Target, shear};
+    use deco_compress::student::StudentModel;
+
+    let spec = args.target.as_deref().context("--method sheared needs --target LAYERS,HEADS,INTERMEDIATE,HIDDEN")?;
+    let v: Vec<usize> = spec
+        .split(',')
+        .map(|x| x.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| anyhow::anyhow!("--target `{spec}`: {e}"))?;
+    let [layers, heads, intermediate, hidden] = v[..] else {
+        bail!("--target `{spec}`: expected four numbers LAYERS,HEADS,INTERMEDIATE,HIDDEN");
+    };
+    if args.steps == 0 || args.batch_size == 0 || args.seqlen < 2 {
+        bail!("--steps and --batch-size must be at least 1 and --seqlen at least 2");
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        bail!("--lr must be a positive number, got {}", args.lr);
+    }
+    if args.out.exists() && std::fs::read_dir(&args.out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        bail!("{}: output directory exists and is not empty", args.out.display());
+    }
+    let ckpt = Checkpoint::open(&args.model.model)?;
+    let cfg = ckpt.config.clone();
+    let target = Target { layers, heads, intermediate, hidden };
+    target.validate(&cfg)?;
+    let _ = crate::runtime::device(&args.model)?;
+    let tok = crate::runtime::load_tokenizer(&args.model.model)?;
+    let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ckpt.tensor(n)?) };
+    let mut domains = Vec::new();
+    for rel in ["wiki_train.txt", "shakespeare/train.txt", "gsm_train.jsonl"] {
+        let path = data_file(&args.model.model, rel)?;
+        let text: String = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?.chars().take(args.calib_chars).collect();
+        let ids = tok.encode_with(&text, false, true)?;
+        if ids.len() < 4 * args.seqlen {
+            bail!("{}: only {} tokens, need at least {}", path.display(), ids.len(), 4 * args.seqlen);
+        }
+        domains.push(ids);
+    }
+    // Reference loss per domain: the unpruned model's next-token CE on two windows.
+    let dense = StudentModel::from_source(&cfg, &src, &Device::flex())?;
+    let seqlen = args.seqlen;
+    let mut refs = Vec::new();
+    for d in &domains {
+        let ids = vec![d[..seqlen].to_vec(), d[d.len() / 2..d.len() / 2 + seqlen].to_vec()];
+        let logits = dense.forward(&cfg, &ids, false)?;
+        let (labels, w): (Vec<u32>, Vec<f32>) = ids
+            .iter()
+            .flat_map(|s| (0..seqlen).map(move |j| if j + 1 < seqlen { (s[j + 1], 1.0 / (2.0 * (seqlen - 1) as f32)) } else { (0, 0.0) }))
+            .unzip();
+        let l = cross_entropy_weighted(logits, &labels, &w)?.try_into_vec_as::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        refs.push(f64::from(l[0]));
+    }
+    drop(dense);
+    let sc = ShearConfig {
+        target,
+        steps: args.steps,
+        batch_size: args.batch_size,
+        seqlen,
+        lr: args.lr,
+        mask_lr: 0.3,
+        lambda_lr: 1.0,
+        init_log_alpha: 3.0,
+        domain_eta: 0.1,
+        domain_update_every: 10,
+        seed: args.seed,
+    };
+    let model = StudentModel::from_source(&cfg, &src, &Device::flex().autodiff())?;
+    let pb = ProgressBar::new(args.steps as u64);
+    if let Ok(style) = ProgressStyle::with_template("sheared [{bar:30}] {pos}/{len} steps, {elapsed} (eta {eta}) {msg}") {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    let t0 = Instant::now();
+    let res = shear(model, &cfg, &domains, &refs, &sc, &mut |r| {
+        pb.set_position(r.step as u64);
+        pb.set_message(format!("lm {:.3} size {:.3} (target {:.3})", r.lm_loss, r.expected_size, target.size(&cfg)));
+    })?;
+    pb.finish();
+    let pcfg = res.config(&cfg, &target)?;
+    let tensors = res.tensors(&cfg, &target)?;
+    let dtype = match args.dtype {
+        DtypeArg::F32 => ExportDtype::F32,
+        DtypeArg::Bf16 => ExportDtype::Bf16,
+    };
+    write_dense_dir(&ckpt, &tok, &pcfg, &|n| tensors.get(n).cloned().ok_or_else(|| deco_model::Error::InvalidInput(format!("missing tensor {n}"))), &args.out, dtype)?;
+    eprintln!(
+        "[prune] method=sheared steps={} tokens={} minutes={:.1} layers={} heads={} intermediate={} hidden={} out={}",
+        args.steps,
+        args.steps * args.batch_size * seqlen,
+        t0.elapsed().as_secs_f64() / 60.0,
+        pcfg.num_hidden_layers,
+        pcfg.num_attention_heads,
+        pcfg.intermediate_size,
+        pcfg.hidden_size,
+        args.out.display()
+    );
     Ok(())
 }
