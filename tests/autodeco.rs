@@ -95,3 +95,33 @@ fn decoding_with_heads_is_batch_invariant_and_keeps_greedy() {
     assert_eq!(with[0].generation.tokens, plain.tokens);
     assert_eq!(combine(&greedy, with[0].trace.first().map(|t| deco_autodeco::HeadOutput { temperature: t.temperature, top_p: t.top_p }).expect("trace")), greedy);
 }
+
+/// The heads trained by `cargo xtask bench autodeco` and committed under `assets/` load, fit the
+/// model, and on GSM eval answers (never seen in training) have a lower loss than the same
+/// architecture freshly initialized.
+#[test]
+fn committed_smollm2_heads_beat_untrained_heads_on_eval_answers() {
+    let (model, tok) = load();
+    let dir = deco_tests::workspace_root().join("assets/autodeco/smollm2-135m-instruct-gsm");
+    let trained = deco_autodeco::HostHeads::load(&dir).expect("committed heads");
+    assert_eq!(trained.config().hidden_size, model.config.hidden_size);
+    assert_eq!(trained.config().vocab_size, model.config.vocab_size);
+    let template = ChatTemplate::new(tok.chat_template().expect("template")).expect("template");
+    let items = read_gsm_jsonl(&asset("data/gsm_eval.jsonl")).expect("eval data");
+    let examples: Vec<_> = items
+        .iter()
+        .take(3)
+        .map(|it| chat_example(&tok, &template, &it.question, &strip_calculator(&it.answer)).expect("example"))
+        .collect();
+    let pool = collect_tokens(&model, &examples, &mut |_, _| {}).expect("pool");
+    let head = FrozenHead { weight: model.lm_head().clone(), device: model.device().clone() };
+    let rows: Vec<usize> = (0..pool.len()).collect();
+    let cfg = trained.config().clone();
+    let device = Device::flex();
+    let lc = deco_autodeco::loss::LossConfig::default();
+    let (tt, tp) = deco_autodeco::train::evaluate(&trained.to_module(&device), &cfg, &pool, &rows, &head, &lc, &device).expect("trained");
+    device.seed(0);
+    let fresh = AutoDecoHeads::init(&cfg, &device).expect("init");
+    let (ft, fp) = deco_autodeco::train::evaluate(&fresh, &cfg, &pool, &rows, &head, &lc, &device).expect("fresh");
+    assert!(tt + tp < 0.8 * (ft + fp), "trained {} vs untrained {}", tt + tp, ft + fp);
+}
