@@ -39,9 +39,9 @@ fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
 }
 
 fn config() -> ModelConfig {
-    let dir = std::env::temp_dir().join(format!("deco-quant-pipeline-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join("config.json");
+    // One directory per call: the tests of this file run in parallel in one process.
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("config.json");
     let v = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
         "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
@@ -49,9 +49,7 @@ fn config() -> ModelConfig {
         "max_position_embeddings": 128, "tie_word_embeddings": true, "rms_norm_eps": 1e-5,
     });
     std::fs::write(&p, v.to_string()).unwrap();
-    let c = ModelConfig::from_hf_json(&p).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    c
+    ModelConfig::from_hf_json(&p).unwrap()
 }
 
 /// Random weights; the embedding and both RMSNorms of every layer are 8-20x larger in the
