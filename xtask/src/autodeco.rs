@@ -44,18 +44,6 @@ pub struct Options {
     pub deco_bin: Option<PathBuf>,
 }
 
-fn deco_binary(explicit: Option<&Path>) -> Result<PathBuf> {
-    if let Some(p) = explicit {
-        return Ok(p.to_path_buf());
-    }
-    util::run(util::cargo().args(["build", "--release", "-p", "deco-cli"]))?;
-    let bin = bench::target_dir()?.join("release").join("deco");
-    if !bin.is_file() {
-        bail!("{} not found after building deco-cli", bin.display());
-    }
-    Ok(bin)
-}
-
 struct Runner {
     bin: PathBuf,
     results: PathBuf,
@@ -107,7 +95,7 @@ pub fn run(o: &Options) -> Result<()> {
     let model = o.cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let train_data = o.cache.join("data/gsm_train.jsonl");
     let eval_data = o.cache.join("data/gsm_eval.jsonl");
-    let bin = deco_binary(o.deco_bin.as_deref())?;
+    let bin = bench::deco_binary(o.deco_bin.as_deref())?;
     let root = o.cache.join("autodeco");
     let results = root.join("results");
     fs::create_dir_all(&results)?;
@@ -238,7 +226,7 @@ pub fn run(o: &Options) -> Result<()> {
         a.push(qheads.display().to_string());
         qwen_rows.push(("AutoDeco (user T = 1, top_p = 1)".into(), format!("{} problems, n = {qn}", o.qwen_problems), r.eval("qwen-autodeco", &q, &a)?));
     }
-    let md = render(o, &rows, &grid, &meta, &qwen_rows, qwen_train.as_deref(), &latency, &root);
+    let md = render(o, &rows, &grid, &meta, &qwen_rows, qwen_train.as_deref(), &latency);
     let docs = util::workspace_root().join("docs");
     fs::create_dir_all(docs.join("autodeco"))?;
     let loss_svg = heads.join("loss.svg");
@@ -271,7 +259,6 @@ fn render(
     qwen: &[(String, String, Value)],
     qwen_train: Option<&str>,
     latency: &Value,
-    root: &Path,
 ) -> String {
     let mut ks = vec![1usize];
     while ks.last().copied().unwrap_or(1) * 2 <= o.n {
@@ -337,7 +324,6 @@ fn render(
         ));
         md.push_str(&table(qwen, o.n.min(2)));
     }
-    let _ = root;
     md.push_str("\nRaw summaries and every output: `<cache>/autodeco/results/` (`.cache/` or `$DECO_CACHE`).\n");
     md
 }

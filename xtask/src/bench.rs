@@ -141,7 +141,7 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     let deco = if o.skip_deco {
         None
     } else {
-        Some(deco_binary(o.deco_bin.as_deref())?)
+        Some(deco_binary(o.deco_bin.as_deref()).context("use --skip-deco to run llama.cpp only")?)
     };
 
     let mut llama_runs: Vec<Stats> = Vec::new();
@@ -364,13 +364,13 @@ fn prompt_text(prompt_file: &Path, from_llama: bool, text: &Path, n: usize) -> R
     Ok(t.chars().take(n * 5).collect())
 }
 
-fn deco_binary(explicit: Option<&Path>) -> Result<PathBuf> {
+/// The `deco` binary: `explicit` if given, else `cargo build --release -p deco-cli` and the
+/// binary in cargo's target directory. Shared by every `bench` subcommand.
+pub fn deco_binary(explicit: Option<&Path>) -> Result<PathBuf> {
     if let Some(p) = explicit {
         return Ok(p.to_path_buf());
     }
-    run(util::cargo().args(["build", "--release", "-p", "deco-cli"])).context(
-        "cannot build the deco CLI (crates/deco-cli); use --skip-deco to run llama.cpp only",
-    )?;
+    run(util::cargo().args(["build", "--release", "-p", "deco-cli"])).context("cannot build the deco CLI (crates/deco-cli)")?;
     let bin = target_dir()?.join("release").join("deco");
     if !bin.is_file() {
         bail!("{} not found after building deco-cli", bin.display());

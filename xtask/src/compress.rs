@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
-use crate::bench::{min_med_max, parse_stats, target_dir};
+use crate::bench::{deco_binary, min_med_max, parse_stats};
 use crate::fetch::{self, What};
 use crate::util::{self, run};
 
@@ -58,18 +58,6 @@ struct Row {
     calib_tokens: usize,
     minutes: f64,
     decode_tok_s: Option<f64>,
-}
-
-fn deco_binary(explicit: Option<&Path>) -> Result<PathBuf> {
-    if let Some(p) = explicit {
-        return Ok(p.to_path_buf());
-    }
-    run(util::cargo().args(["build", "--release", "-p", "deco-cli"]))?;
-    let bin = target_dir()?.join("release").join("deco");
-    if !bin.is_file() {
-        bail!("{} not found after building deco-cli", bin.display());
-    }
-    Ok(bin)
 }
 
 fn output(cmd: &mut Command) -> Result<(String, String)> {

@@ -46,18 +46,6 @@ pub struct Options {
 }
 
 /// The deco binary: `--deco-bin`, else a fresh release build of deco-cli.
-fn deco_binary(explicit: Option<&Path>) -> Result<PathBuf> {
-    if let Some(p) = explicit {
-        return Ok(p.to_path_buf());
-    }
-    util::run(util::cargo().args(["build", "--release", "-p", "deco-cli"]))?;
-    let bin = bench::target_dir()?.join("release").join("deco");
-    if !bin.is_file() {
-        bail!("{} not found after building deco-cli", bin.display());
-    }
-    Ok(bin)
-}
-
 /// A prompt of the benchmark (always wrapped in the model's chat template).
 struct Prompt {
     name: &'static str,
@@ -345,7 +333,7 @@ pub fn run(o: &Options) -> Result<()> {
     fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![fetch::What::Model, fetch::What::Data] })?;
     let smol = o.cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let wiki = o.cache.join("data/wiki_test.txt");
-    let bin = deco_binary(o.deco_bin.as_deref())?;
+    let bin = bench::deco_binary(o.deco_bin.as_deref())?;
     let results = o.cache.join("decoding").join("results");
     fs::create_dir_all(&results)?;
     let only: Vec<String> = o.only.as_deref().unwrap_or("").split(',').map(str::trim).filter(|x| !x.is_empty()).map(String::from).collect();

@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::bench::target_dir;
+use crate::bench::deco_binary;
 use crate::fetch::{self, What};
 use crate::util;
 
@@ -56,18 +56,6 @@ struct Row {
     kld_shakespeare: f64,
     top1: f64,
     seconds: f64,
-}
-
-fn deco_binary(explicit: Option<&Path>) -> Result<PathBuf> {
-    if let Some(p) = explicit {
-        return Ok(p.to_path_buf());
-    }
-    util::run(util::cargo().args(["build", "--release", "-p", "deco-cli"]))?;
-    let bin = target_dir()?.join("release").join("deco");
-    if !bin.is_file() {
-        bail!("{} not found after building deco-cli", bin.display());
-    }
-    Ok(bin)
 }
 
 fn output(cmd: &mut Command) -> Result<String> {
