@@ -95,23 +95,6 @@ pub struct DistillArgs {
     out: PathBuf,
 }
 
-/// Finds `data/REL` as `deco prune` does.
-fn data_file(model: &Path, rel: &str) -> Result<PathBuf> {
-    let mut c = Vec::new();
-    if let Ok(d) = std::env::var("DECO_CACHE") {
-        c.push(PathBuf::from(d).join("data").join(rel));
-    }
-    c.push(PathBuf::from(".cache/data").join(rel));
-    if let Ok(d) = std::env::var("DECO_SHARED_DIR") {
-        c.push(PathBuf::from(d).join("data").join(rel));
-    }
-    c.push(PathBuf::from("../shared/data").join(rel));
-    if let Some(root) = model.parent().and_then(Path::parent) {
-        c.push(root.join("data").join(rel));
-    }
-    c.iter().find(|p| p.exists()).cloned().with_context(|| format!("data {rel} not found (looked in {c:?}); pass --data FILE"))
-}
-
 /// Checkpoints in `out` as `(step, path)`, ascending.
 fn checkpoints(out: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let mut v = Vec::new();
@@ -187,8 +170,8 @@ pub fn run(args: &DistillArgs) -> Result<()> {
     // Data (all checks before anything is written).
     let data_path = match (&args.data, dc.objective) {
         (Some(p), _) => p.clone(),
-        (None, Objective::Cot) => data_file(&args.teacher, "gsm_train.jsonl")?,
-        (None, _) => data_file(&args.teacher, "wiki_train.txt")?,
+        (None, Objective::Cot) => crate::runtime::data_file(&args.teacher, "gsm_train.jsonl", "--data FILE")?,
+        (None, _) => crate::runtime::data_file(&args.teacher, "wiki_train.txt", "--data FILE")?,
     };
     let text = std::fs::read_to_string(&data_path).with_context(|| format!("reading {}", data_path.display()))?;
     let data = if dc.objective == Objective::Cot {

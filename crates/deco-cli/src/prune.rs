@@ -2,7 +2,7 @@
 //! neurons, layers) pruning of a model, written atomically as a Hugging Face directory (or the
 //! compact sparse form).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -142,27 +142,6 @@ pub struct PruneArgs {
     lr: f64,
 }
 
-/// Finds `data/REL` the way the tests and `cargo xtask fetch` lay it out.
-fn data_file(model: &Path, rel: &str) -> Result<PathBuf> {
-    let mut c = Vec::new();
-    if let Ok(d) = std::env::var("DECO_CACHE") {
-        c.push(PathBuf::from(d).join("data").join(rel));
-    }
-    c.push(PathBuf::from(".cache/data").join(rel));
-    if let Ok(d) = std::env::var("DECO_SHARED_DIR") {
-        c.push(PathBuf::from(d).join("data").join(rel));
-    }
-    c.push(PathBuf::from("../shared/data").join(rel));
-    // Beside the model: <root>/models/M -> <root>/data/REL.
-    if let Some(root) = model.parent().and_then(Path::parent) {
-        c.push(root.join("data").join(rel));
-    }
-    c.iter()
-        .find(|p| p.exists())
-        .cloned()
-        .with_context(|| format!("calibration data {rel} not found (looked in {c:?}); run `cargo xtask fetch` or pass --calib FILE"))
-}
-
 fn bar(len: usize, what: &str) -> ProgressBar {
     let pb = ProgressBar::new(len as u64);
     if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} layers, {elapsed} (eta {eta})") {
@@ -231,8 +210,8 @@ pub fn run(args: &PruneArgs) -> Result<()> {
     let t0 = Instant::now();
     let windows = if needs_calib {
         let path = match args.calib.as_str() {
-            "wiki" => data_file(&args.model.model, "wiki_train.txt")?,
-            "shakespeare" => data_file(&args.model.model, "shakespeare/train.txt")?,
+            "wiki" => crate::runtime::data_file(&args.model.model, "wiki_train.txt", "--calib FILE")?,
+            "shakespeare" => crate::runtime::data_file(&args.model.model, "shakespeare/train.txt", "--calib FILE")?,
             f => PathBuf::from(f),
         };
         let bytes = std::fs::read(&path).with_context(|| format!("reading calibration text {}", path.display()))?;
@@ -365,7 +344,7 @@ fn run_sheared(args: &PruneArgs) -> Result<()> {
     let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ckpt.tensor(n)?) };
     let mut domains = Vec::new();
     for rel in ["wiki_train.txt", "shakespeare/train.txt", "gsm_train.jsonl"] {
-        let path = data_file(&args.model.model, rel)?;
+        let path = crate::runtime::data_file(&args.model.model, rel, "--calib FILE")?;
         let text: String = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?.chars().take(args.calib_chars).collect();
         let ids = tok.encode_with(&text, false, true)?;
         if ids.len() < 4 * args.seqlen {

@@ -1,6 +1,6 @@
 //! Loading a model, its tokenizer and the compute device from command-line options.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use burn::tensor::Device;
@@ -41,4 +41,30 @@ pub fn load(args: &ModelArgs) -> Result<(Llama, Tokenizer)> {
     // Checkpoint errors already name the file and the tensor.
     let model = Llama::load(&ckpt, &device, None)?;
     Ok((model, tok))
+}
+
+/// Finds the data file `data/REL` (e.g. `wiki_train.txt`) where `cargo xtask fetch` and the tests
+/// put it: `$DECO_CACHE/data`, `.cache/data`, `$DECO_SHARED_DIR/data`, `../shared/data`, then
+/// beside the model (`<root>/models/M` -> `<root>/data/REL`). `hint` names the flag that gives the
+/// file explicitly.
+///
+/// # Errors
+/// When no candidate exists: the message lists every place looked and the hint.
+pub fn data_file(model: &Path, rel: &str, hint: &str) -> Result<PathBuf> {
+    let mut c = Vec::new();
+    if let Ok(d) = std::env::var("DECO_CACHE") {
+        c.push(PathBuf::from(d).join("data").join(rel));
+    }
+    c.push(PathBuf::from(".cache/data").join(rel));
+    if let Ok(d) = std::env::var("DECO_SHARED_DIR") {
+        c.push(PathBuf::from(d).join("data").join(rel));
+    }
+    c.push(PathBuf::from("../shared/data").join(rel));
+    if let Some(root) = model.parent().and_then(Path::parent) {
+        c.push(root.join("data").join(rel));
+    }
+    c.iter()
+        .find(|p| p.exists())
+        .cloned()
+        .with_context(|| format!("data file {rel} not found (looked in {c:?}); run `cargo xtask fetch` or pass {hint}"))
 }
