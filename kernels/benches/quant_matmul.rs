@@ -1,7 +1,8 @@
 //! Microbenchmark of the packed quantized matmul (`cargo bench -p deco-kernels --bench
 //! quant_matmul`): SmolLM2-135M's projection shapes, decode (1 token) and prefill (64 tokens),
 //! per block type and instruction set. Prints time per call, GB/s of packed weights read and
-//! GMAC/s. Threads: `RAYON_NUM_THREADS` (default: all cores).
+//! GMAC/s. Threads: `RAYON_NUM_THREADS` (default: all cores). Arguments after `--` keep only the
+//! block types / instruction sets named (e.g. `-- Q4_1 Avx512`).
 //!
 //! The working set of one shape (≤ 2.2 MB packed) fits in cache, so the decode numbers are the
 //! kernel's compute limit; the "all layers" line cycles through 30 layers' worth of distinct
@@ -49,14 +50,21 @@ fn main() {
     let shapes = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)];
     println!("threads={} isa={:?}", rayon::current_num_threads(), Isa::detect());
     println!("{:<6} {:<5} {:<8} {:>4} {:>10} {:>8} {:>8}", "type", "isa", "shape", "n", "us/call", "GB/s", "GMAC/s");
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let keep = |name: String| args.is_empty() || args.contains(&name);
+    let any_isa = args.iter().all(|a| !a.starts_with("Avx") && a != "Scalar");
+    let any_ty = args.iter().all(|a| !a.starts_with('Q'));
     for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0] {
-        for isa in [Isa::Scalar, Isa::Avx2] {
-            if !isa.is_available() {
+        if !any_ty && !keep(format!("{ty:?}")) {
+            continue;
+        }
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512] {
+            if !isa.is_available() || (!any_isa && !keep(format!("{isa:?}"))) {
                 continue;
             }
             for &(name, rows, cols) in &shapes {
                 let m = matrix(ty, rows, cols, 7);
-                for n in [1usize, 64] {
+                for n in [1usize, 16, 64] {
                     let x: Vec<f32> = (0..n * cols).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
                     let mut y = vec![0.0f32; n * rows];
                     let reps = if n == 1 { 200 } else { 10 };

@@ -170,9 +170,9 @@ pub fn paged_decode_attention_with(
         let s = &seqs[si];
         match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `isa` is Avx2 only if `is_available` confirmed AVX2 and FMA on this CPU;
+            // SAFETY: `isa` is Avx2 / Avx512 only if `is_available` confirmed AVX2 and FMA;
             // the bounds of every row read were checked above.
-            Isa::Avx2 => unsafe { x86::task(qs, s, kv0..kv0 + kv_per_task, shape, o) },
+            Isa::Avx2 | Isa::Avx512 => unsafe { x86::task(qs, s, kv0..kv0 + kv_per_task, shape, o) },
             _ => scalar_task(qs, s, kv0..kv0 + kv_per_task, shape, o),
         }
     };

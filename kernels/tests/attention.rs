@@ -107,7 +107,7 @@ fn check(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], isa: Isa) -> Result<()
 }
 
 fn isas() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2].into_iter().filter(|i| i.is_available()).collect()
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.is_available()).collect()
 }
 
 #[derive(Debug, Clone)]

@@ -94,12 +94,14 @@ proptest! {
         ty in block_type(),
         rows in 1usize..=75,
         blocks in 1usize..=12,
-        n in prop_oneof![1usize..=9, 60usize..=70],
+        n in prop_oneof![1usize..=17, 60usize..=70],
         seed in any::<u64>(),
     ) {
         check(ty, rows, blocks * 32, n, seed, Isa::Scalar)?;
-        if Isa::Avx2.is_available() {
-            check(ty, rows, blocks * 32, n, seed, Isa::Avx2)?;
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            if isa.is_available() {
+                check(ty, rows, blocks * 32, n, seed, isa)?;
+            }
         }
         check_with(ty, rows, blocks * 32, n, seed, Isa::detect(), true)?;
     }

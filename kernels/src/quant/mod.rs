@@ -17,13 +17,15 @@
 //! not the default here.
 //!
 //! # Kernels
-//! - `n < GEMM_MIN_TOKENS` (decode, small batches): a fused dequantize-dot per (token, row), SIMD
-//!   with AVX2 + FMA + F16C when the CPU has them (runtime detection with
-//!   `is_x86_feature_detected!`), a portable scalar loop otherwise. Memory-bound: each packed row
-//!   is read once per call and stays in L1 across the tokens.
-//! - `n ≥ GEMM_MIN_TOKENS` (prefill): tiles of `GEMM_TILE_ROWS` rows are dequantized to f32 into a
-//!   per-task buffer and multiplied with the `gemm` crate (the same f32 micro-kernels burn-flex
-//!   uses), so the dequantization is amortized over the tokens.
+//! - [`PackedMatrix::matmul`] (what the model uses, for every token count): a fused
+//!   dequantize-dot per (row, group of tokens), SIMD with AVX-512 (groups of 8 tokens share one
+//!   unpacking of each block, `x86_512.rs`) or AVX2 + FMA + F16C (groups of 4) when the CPU has
+//!   them (runtime detection with `is_x86_feature_detected!`), a portable scalar loop otherwise.
+//!   Each packed row is read once per tile of 64 tokens and stays in L1 across them. A token's
+//!   result does not depend on the other tokens of the call (batch invariance).
+//! - [`PackedMatrix::matmul_dequant_gemm`]: tiles of `GEMM_TILE_ROWS` rows are dequantized to f32
+//!   into a per-task buffer and multiplied with the `gemm` crate (the same f32 micro-kernels
+//!   burn-flex uses); not batch-invariant.
 //!
 //! Both are multithreaded over output rows with rayon and run in the *current* rayon pool (the
 //! global one that `deco --threads N` configures, or the one a caller `install`s).
@@ -36,6 +38,8 @@ use crate::error::{Error, Result};
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
 
 /// Elements per block of every supported type (`QK4_0 = QK4_1 = QK8_0 = 32` in ggml).
 pub const BLOCK: usize = 32;
@@ -80,18 +84,29 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C intrinsics.
     Avx2,
+    /// x86-64 AVX-512 F/BW/VL intrinsics (plus AVX2 + FMA + F16C) for the packed matmul; the
+    /// other kernels use their AVX2 code under this level.
+    Avx512,
 }
 
 impl Isa {
-    /// The best instruction set this CPU supports, detected once. Setting the environment
-    /// variable `DECO_KERNELS=scalar` forces [`Isa::Scalar`] (for benchmarks and debugging).
+    /// The best instruction set this CPU supports, detected once. The environment variable
+    /// `DECO_KERNELS` caps it (for benchmarks and debugging): `scalar` forces [`Isa::Scalar`],
+    /// `avx2` forbids [`Isa::Avx512`].
     pub fn detect() -> Isa {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *ISA.get_or_init(|| {
-            if std::env::var("DECO_KERNELS").is_ok_and(|v| v == "scalar") {
+            let cap = std::env::var("DECO_KERNELS").unwrap_or_default();
+            if cap == "scalar" {
                 return Isa::Scalar;
             }
-            if Isa::Avx2.is_available() { Isa::Avx2 } else { Isa::Scalar }
+            if cap != "avx2" && Isa::Avx512.is_available() {
+                Isa::Avx512
+            } else if Isa::Avx2.is_available() {
+                Isa::Avx2
+            } else {
+                Isa::Scalar
+            }
         })
     }
 
@@ -103,6 +118,19 @@ impl Isa {
                 #[cfg(target_arch = "x86_64")]
                 {
                     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                {
+                    false
+                }
+            }
+            Isa::Avx512 => {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    Isa::Avx2.is_available()
+                        && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 {
@@ -338,8 +366,9 @@ impl PackedMatrix {
     fn matmul_fused(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
         let cols = self.cols;
         let nb = cols / BLOCK;
-        // Per-block sums of x (the `m · Σx` term of Q4_1).
-        let xsum: Vec<f32> = if self.ty == BlockType::Q4_1 {
+        // Per-block sums of x (the `m · Σx` term of Q4_1; the AVX-512 kernel folds `m` into the
+        // dequantized weights instead).
+        let xsum: Vec<f32> = if self.ty == BlockType::Q4_1 && isa != Isa::Avx512 {
             x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect()
         } else {
             Vec::new()
@@ -351,6 +380,12 @@ impl PackedMatrix {
         // Tokens per pass over a row chunk: their activations stay in L2 while the chunk's rows
         // go by.
         const TOKEN_TILE: usize = 64;
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 {
+            self.matmul_tiled_512(x, n, y);
+            return;
+        }
+        let group = 4;
         (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
             let rows_here = ci * chunk..((ci + 1) * chunk).min(rows);
             for t0 in (0..n).step_by(TOKEN_TILE) {
@@ -359,7 +394,7 @@ impl PackedMatrix {
                     let row = self.row(r);
                     let mut t = t0;
                     while t < t1 {
-                        let take = if t1 - t >= 4 { 4 } else { 1 };
+                        let take = if t1 - t >= group { group } else { 1 };
                         let mut out = [0.0f32; 4];
                         match isa {
                             #[cfg(target_arch = "x86_64")]
@@ -395,6 +430,67 @@ impl PackedMatrix {
         });
     }
 
+    /// The AVX-512 path of [`PackedMatrix::matmul`]: rayon over row chunks; inside a chunk,
+    /// sub-chunks of ~32 KiB of packed rows stay in L1/L2 while every group of 4 tokens passes
+    /// over them in register tiles of 4 rows × 4 tokens (`x86_512::tile`); leftover rows and
+    /// tokens use 1-wide tiles with the same per-element arithmetic.
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_tiled_512(&self, x: &[f32], n: usize, y: &mut [f32]) {
+        const R: usize = 4;
+        const T: usize = 4;
+        const SUB_BYTES: usize = 32 * 1024;
+        let (cols, rows, ty) = (self.cols, self.rows, self.ty);
+        let nb = cols / BLOCK;
+        let row_bytes = self.row_bytes();
+        let chunk = self.chunk_rows(cols * n).next_multiple_of(R);
+        let sub = (SUB_BYTES / row_bytes.max(1)).max(R).next_multiple_of(R);
+        let yp = SyncPtr(y.as_mut_ptr());
+        (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            let end = ((ci + 1) * chunk).min(rows);
+            let mut s0 = ci * chunk;
+            while s0 < end {
+                let s1 = (s0 + sub).min(end);
+                let mut t = 0;
+                while t < n {
+                    let tk = if n - t >= T { T } else { 1 };
+                    let xp = x[t * cols..].as_ptr();
+                    let mut r = s0;
+                    while r < s1 {
+                        let rk = if s1 - r >= R { R } else { 1 };
+                        let wp = self.data[r * row_bytes..].as_ptr();
+                        let mut out = [[0.0f32; T]; R];
+                        // SAFETY: AVX-512 F/BW/VL, AVX2, FMA and F16C were detected (the caller
+                        // checked `Isa::Avx512.is_available()`); rows r .. r + rk exist (each
+                        // `row_bytes` of `nb` blocks) and tokens t .. t + tk exist in x.
+                        unsafe {
+                            match (rk, tk) {
+                                (R, T) => out = x86_512::tile::<R, T>(ty, wp, row_bytes, nb, xp, cols),
+                                (R, _) => {
+                                    let o = x86_512::tile::<R, 1>(ty, wp, row_bytes, nb, xp, cols);
+                                    for i in 0..R {
+                                        out[i][0] = o[i][0];
+                                    }
+                                }
+                                (_, T) => out[0] = x86_512::tile::<1, T>(ty, wp, row_bytes, nb, xp, cols)[0],
+                                _ => out[0][0] = x86_512::tile::<1, 1>(ty, wp, row_bytes, nb, xp, cols)[0][0],
+                            }
+                        }
+                        for (i, o) in out.iter().enumerate().take(rk) {
+                            for (k, v) in o.iter().enumerate().take(tk) {
+                                // SAFETY: (t + k, r + i) is inside y and rows s0 .. s1 belong to
+                                // this task only.
+                                unsafe { *yp.get().add((t + k) * rows + r + i) = *v };
+                            }
+                        }
+                        r += rk;
+                    }
+                    t += tk;
+                }
+                s0 = s1;
+            }
+        });
+    }
+
     fn matmul_gemm(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
         let cols = self.cols;
         let rows = self.rows;
@@ -410,7 +506,7 @@ impl PackedMatrix {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: AVX2/FMA/F16C checked; row and o have matching sizes.
-                        Isa::Avx2 => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
+                        Isa::Avx2 | Isa::Avx512 => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
                         _ => scalar::dequant_row(self.ty, self.row(r0 + i), o),
                     }
                 }

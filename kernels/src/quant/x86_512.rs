@@ -1,0 +1,144 @@
+//! AVX-512 kernels (x86-64, AVX-512 F/BW/VL plus AVX2/FMA/F16C). Callers check the features at
+//! run time.
+//!
+//! # Design: a register tile of 4 rows × 4 tokens
+//! Each block of 32 weights is unpacked into two 16-lane vectors of f32 *weights* (the scale and,
+//! for Q4_1, the minimum folded in: `d·q + m` with one FMA, `d·(q − 8)` for Q4_0, `d·q` for
+//! Q8_0). A tile of `R` rows × `T` tokens keeps one accumulator per (row, token): each unpacked
+//! block feeds `T` tokens and each activation load feeds `R` rows, so neither the unpacking nor
+//! the activation traffic limits the FMA rate. (The AVX2 kernel in `x86.rs` handles one row at a
+//! time, so every activation is re-read from L2 for every row: ~8 MAC/cycle at most.)
+//!
+//! # Batch invariance
+//! A (row, token) result is the same sequence of operations whatever the tile shape is, so a
+//! token computed alone (`T = 1`) is bit-identical to the same token in a tile of 4.
+
+use std::arch::x86_64::*;
+
+use super::{BLOCK, BlockType};
+
+/// The f16 at `p` (unaligned) as f32, with the F16C conversion.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
+    let bits = unsafe { (p as *const u16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// The 32 dequantized weights of the block at `blk`: weights 0..16 and 16..32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn block_w<const TY: u8>(blk: *const u8) -> (__m512, __m512) {
+    // SAFETY (all loads): the caller guarantees a whole block at `blk`.
+    unsafe {
+        let d = _mm512_set1_ps(f16_at(blk));
+        match TY {
+            // Q8_0: d · qs[i].
+            2 => {
+                let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(2) as *const __m128i)));
+                let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(18) as *const __m128i)));
+                (_mm512_mul_ps(q0, d), _mm512_mul_ps(q1, d))
+            }
+            // Q4_0 (d · (q − 8)) and Q4_1 (d · q + m): low nibbles are weights 0..16, high 16..32.
+            _ => {
+                let off = if TY == 0 { 2 } else { 4 };
+                let qv = _mm_loadu_si128(blk.add(off) as *const __m128i);
+                let m4 = _mm_set1_epi8(0x0F);
+                let lo = _mm_and_si128(qv, m4);
+                let hi = _mm_and_si128(_mm_srli_epi16(qv, 4), m4);
+                let q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+                let q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+                if TY == 0 {
+                    let eight = _mm512_set1_ps(8.0);
+                    (_mm512_mul_ps(_mm512_sub_ps(q0, eight), d), _mm512_mul_ps(_mm512_sub_ps(q1, eight), d))
+                } else {
+                    let m = _mm512_set1_ps(f16_at(blk.add(2)));
+                    (_mm512_fmadd_ps(q0, d, m), _mm512_fmadd_ps(q1, d, m))
+                }
+            }
+        }
+    }
+}
+
+/// Dot products of `R` consecutive packed rows (`nb` blocks of type `TY` each: 0 = Q4_0,
+/// 1 = Q4_1, 2 = Q8_0; row `i` at `rows + i · row_bytes`) with `T` activation rows of `nb · 32`
+/// f32 spaced `stride` apart: `out[i][k] = row_i · x_k`.
+///
+/// Register tile: `R · T` accumulators, `2R` weight vectors and two activation vectors (26 of the
+/// 32 registers for `R = T = 4`). Each weight block is unpacked once for `T` tokens and each
+/// activation vector loaded once for `R` rows. For every (row, token) the operations are
+/// `acc = fma(w_lo, x_lo, acc); acc = fma(w_hi, x_hi, acc)` per block in order, then one
+/// `_mm512_reduce_add_ps`, whatever `R` and `T` are (batch invariance).
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL, AVX2, FMA and F16C; the `R` rows must hold `nb`
+/// blocks each and the `T` rows of `x` must be readable.
+#[inline]
+#[allow(clippy::needless_range_loop)] // (row, token) indices name the register tile
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    x: *const f32,
+    stride: usize,
+) -> [[f32; T]; R] {
+    let bb = match TY {
+        0 => BlockType::Q4_0,
+        1 => BlockType::Q4_1,
+        _ => BlockType::Q8_0,
+    }
+    .block_bytes();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for b in 0..nb {
+        // SAFETY: b < nb, so every row's block and each token's 32 values are in bounds.
+        unsafe {
+            let mut w = [(_mm512_setzero_ps(), _mm512_setzero_ps()); R];
+            for (i, wi) in w.iter_mut().enumerate() {
+                *wi = block_w::<TY>(rows.add(i * row_bytes + b * bb));
+            }
+            for k in 0..T {
+                let xb = x.add(k * stride + b * BLOCK);
+                let x0 = _mm512_loadu_ps(xb);
+                let x1 = _mm512_loadu_ps(xb.add(16));
+                for i in 0..R {
+                    acc[i][k] = _mm512_fmadd_ps(w[i].0, x0, acc[i][k]);
+                    acc[i][k] = _mm512_fmadd_ps(w[i].1, x1, acc[i][k]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for i in 0..R {
+        for k in 0..T {
+            out[i][k] = _mm512_reduce_add_ps(acc[i][k]);
+        }
+    }
+    out
+}
+
+/// `R × T` dot products of packed rows with activation rows (see `tile_t`).
+///
+/// # Safety
+/// As `tile_t`: AVX-512 F/BW/VL + AVX2 + FMA + F16C available; `R` rows of `nb` blocks of `ty`
+/// at `rows` spaced `row_bytes` apart; `x` holds `T` readable rows of `nb · 32` values spaced
+/// `stride` apart.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(super) unsafe fn tile<const R: usize, const T: usize>(
+    ty: BlockType,
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    x: *const f32,
+    stride: usize,
+) -> [[f32; T]; R] {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match ty {
+            BlockType::Q4_0 => tile_t::<0, R, T>(rows, row_bytes, nb, x, stride),
+            BlockType::Q4_1 => tile_t::<1, R, T>(rows, row_bytes, nb, x, stride),
+            BlockType::Q8_0 => tile_t::<2, R, T>(rows, row_bytes, nb, x, stride),
+        }
+    }
+}
