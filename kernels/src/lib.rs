@@ -11,9 +11,15 @@
 //! [`attention`] holds the fused CPU decode-attention kernel over a paged or contiguous KV
 //! cache in host memory (one call per layer for a whole decode batch).
 //!
+//! `cube` (features `wgpu` / `cuda` only) holds the CubeCL GPU kernels (fused RMSNorm, RoPE,
+//! quantized matmul on packed GGUF blocks, tiled causal attention), exposed as a burn backend
+//! extension with the compositions above as the Flex reference path.
+//!
 //! [`device`] turns a user-facing name (`flex`, `wgpu`, `cuda`) into a burn [`burn::tensor::Device`].
 
 pub mod attention;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub mod cube;
 pub mod device;
 pub mod error;
 pub mod ops;

@@ -1,0 +1,240 @@
+//! CubeCL GPU kernels for the hot operations of a Llama decoder, as burn backend extensions.
+//!
+//! Compiled only with the `wgpu` or `cuda` feature. Each operation is one method of the backend
+//! extension trait [`DecoKernelOps`] (burn 0.22's `#[backend_extension]`, the pattern of
+//! `burn-signal`): on a CubeCL device (`Device::wgpu(..)`, `Device::cuda(..)`) the call runs the
+//! `#[cube]` kernel of this module, compiled just in time for that runtime; on `Device::flex()`
+//! it runs the reference (the burn composition of [`crate::ops`] or the CPU kernels of
+//! [`crate::quant`]). Model code calls the checked free functions below, which take and
+//! return ordinary `Tensor`s and validate shapes (no panics on bad shapes).
+//!
+//! | function | kernel | reference |
+//! |---|---|---|
+//! | [`rms_norm`] | one cube per row, shared-memory tree reduction | [`crate::ops::rms_norm`] |
+//! | [`CubeRope::apply`] | one unit per element, rotate-half | [`crate::ops::RopeTable::apply`] |
+//!
+//! All kernels take and return f32 (activations and accumulation in f32).
+//!
+//! # Tolerances (checked by `kernels/tests/cube.rs` on wgpu/lavapipe)
+//! - RMSNorm: the sum of squares is reduced in a different order than burn's `mean_dim`;
+//!   `|out − ref| ≤ 1e-5 · (1 + |ref|)`.
+//! - RoPE: the same two products and one sum as the reference (a GPU may fuse them into an
+//!   FMA); `|out − ref| ≤ 1e-6 · (1 + |ref|)`.
+
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Backend, Cube, Flex, backend_extension};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+
+use crate::error::{Error, Result};
+
+mod rms_norm;
+mod rope;
+
+/// The custom operations of deco as a burn backend extension.
+///
+/// Implemented for the CubeCL backend (every CubeCL runtime: wgpu, CUDA, ...) by the kernels of
+/// this module and for `Flex` by the reference compositions. Call it through the checked free
+/// functions of [`crate::cube`]; the trait methods assume valid shapes and f32 tensors.
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
+pub trait DecoKernelOps: Backend {
+    /// RMSNorm, see [`rms_norm`]. `x: [tokens, hidden]`, `weight: [hidden]`.
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
+
+    /// Rotate-half RoPE, see [`CubeRope::apply`]. `x: [tokens, heads, head_dim]`,
+    /// `cos`, `sin`: `[max_positions, head_dim]`, `positions: [tokens]`.
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
+}
+
+impl DecoKernelOps for Cube {
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        rms_norm::launch(x, weight, eps)
+    }
+
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rope::launch(x, cos, sin, positions)
+    }
+}
+
+/// The reference path: the burn compositions of [`crate::ops`] run on the Flex tensors.
+impl DecoKernelOps for Flex {
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        let x = Tensor::<2>::from_primitive::<Flex>(x);
+        let weight = Tensor::<1>::from_primitive::<Flex>(weight);
+        into_flex(crate::ops::rms_norm(x, &weight, eps))
+    }
+
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let x = Tensor::<3>::from_primitive::<Flex>(x);
+        let cos = Tensor::<2>::from_primitive::<Flex>(cos);
+        let sin = Tensor::<2>::from_primitive::<Flex>(sin);
+        let positions = Tensor::<1, Int>::from_primitive::<Flex>(positions);
+        into_flex(rope_composition(x, &cos, &sin, &positions))
+    }
+}
+
+/// A Flex float tensor back to its primitive (the reference compositions keep the backend).
+fn into_flex<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
+    t.try_into_primitive::<Flex>().expect("a composition of Flex tensors stays on Flex")
+}
+
+/// `(x, y)` cube counts covering `cubes` cubes (the x dimension is limited to 65535 by wgpu).
+pub(crate) fn grid_2d(client: &cubecl::client::Client, cubes: usize) -> (u32, u32) {
+    let max = (client.properties().hardware.max_cube_count.0 as usize).clamp(1, 65_535);
+    if cubes <= max { (cubes.max(1) as u32, 1) } else { (max as u32, cubes.div_ceil(max) as u32) }
+}
+
+fn check_f32<const D: usize, K>(what: &str, t: &Tensor<D, K>) -> Result<()>
+where
+    K: burn::tensor::kind::Basic,
+{
+    if t.dtype() != DType::F32 {
+        return Err(Error::Incompatible(format!("{what}: dtype {:?}, the CubeCL kernels take f32", t.dtype())));
+    }
+    Ok(())
+}
+
+fn check_device(what: &str, a: &Device, b: &Device) -> Result<()> {
+    if a != b {
+        return Err(Error::Incompatible(format!("{what}: tensors on different devices ({a:?} vs {b:?})")));
+    }
+    Ok(())
+}
+
+/// Fused RMSNorm (Zhang & Sennrich 2019), `weight · x / sqrt(mean(x²) + eps)` per row, as
+/// [`crate::ops::rms_norm`] computes it.
+///
+/// On a CubeCL device one cube of 128 units handles a row: the units stride over the row, and
+/// their partial sums of squares are reduced in shared memory as a binary tree; the same cube
+/// then writes the scaled row. One kernel launch replaces the five of the composition.
+///
+/// # Shapes
+/// - `x`: `[tokens, hidden]`, f32
+/// - `weight`: `[hidden]`, f32, same device
+/// - output: `[tokens, hidden]`
+///
+/// # Errors
+/// [`Error::Incompatible`] for a `weight` of another length, a dtype other than f32 or tensors
+/// on different devices.
+pub fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Result<Tensor<2>> {
+    let [_, hidden] = x.dims();
+    let [w] = weight.dims();
+    if w != hidden {
+        return Err(Error::Incompatible(format!("rms_norm: weight of {w} values for rows of {hidden}")));
+    }
+    check_f32("rms_norm x", &x)?;
+    check_f32("rms_norm weight", weight)?;
+    check_device("rms_norm", &x.device(), &weight.device())?;
+    let out = <burn::backend::Dispatch as DecoKernelOps>::rms_norm(x.into_dispatch(), weight.clone().into_dispatch(), eps);
+    Ok(Tensor::from_dispatch(out))
+}
+
+/// Rotary position embedding tables and the fused rotate-half RoPE (Su et al. 2021,
+/// "RoFormer", eq. 34; transformers' `apply_rotary_pos_emb`), as [`crate::ops::RopeTable`].
+///
+/// The tables are built exactly as [`crate::ops::RopeTable::new`] builds them (angles in f64,
+/// rounded once to f32), so the two agree up to the rounding of the kernel's arithmetic.
+#[derive(Debug, Clone)]
+pub struct CubeRope {
+    /// `[max_positions, head_dim]`: cos of the angle, first half repeated in the second half.
+    cos: Tensor<2>,
+    /// `[max_positions, head_dim]`: sin, same layout.
+    sin: Tensor<2>,
+    head_dim: usize,
+    max_positions: usize,
+}
+
+impl CubeRope {
+    /// Builds the tables from inverse frequencies `inv_freq` (length `head_dim / 2`, see
+    /// [`crate::ops::rope_inv_freq`]) for positions `0 .. max_positions`.
+    pub fn new(inv_freq: &[f64], max_positions: usize, device: &Device) -> Self {
+        let half = inv_freq.len();
+        let head_dim = 2 * half;
+        let mut cos = Vec::with_capacity(max_positions * head_dim);
+        let mut sin = Vec::with_capacity(max_positions * head_dim);
+        for p in 0..max_positions {
+            for _ in 0..2 {
+                for &f in inv_freq {
+                    let a = p as f64 * f;
+                    cos.push(a.cos() as f32);
+                    sin.push(a.sin() as f32);
+                }
+            }
+        }
+        let shape = [max_positions, head_dim];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+            head_dim,
+            max_positions,
+        }
+    }
+
+    /// Largest position + 1 the tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Rotates `x` by the angles of `positions`: `x · cos + rotate_half(x) · sin`.
+    ///
+    /// On a CubeCL device one unit computes one output element (one launch instead of the
+    /// composition's two gathers, two slices, a concatenation and three element-wise ops).
+    /// Positions are not read back to the host: a position `≥ max_positions` yields zeros (the
+    /// caller must keep positions in range, as for [`crate::ops::RopeTable::apply`]).
+    ///
+    /// # Shapes
+    /// - `x`: `[tokens, heads, head_dim]`, f32, on the device of the tables
+    /// - `positions`: `[tokens]`, any integer dtype
+    /// - output: `[tokens, heads, head_dim]`
+    ///
+    /// # Errors
+    /// [`Error::Incompatible`] for a `head_dim` other than the tables', a `positions` of another
+    /// length, a dtype other than f32 or another device.
+    pub fn apply(&self, x: Tensor<3>, positions: &Tensor<1, Int>) -> Result<Tensor<3>> {
+        let [t, _, d] = x.dims();
+        let [p] = positions.dims();
+        if d != self.head_dim {
+            return Err(Error::Incompatible(format!("rope: head_dim {d}, tables built for {}", self.head_dim)));
+        }
+        if p != t {
+            return Err(Error::Incompatible(format!("rope: {p} positions for {t} tokens")));
+        }
+        check_f32("rope x", &x)?;
+        check_device("rope", &x.device(), &self.cos.device())?;
+        check_device("rope positions", &positions.device(), &self.cos.device())?;
+        let out = <burn::backend::Dispatch as DecoKernelOps>::rope(
+            x.into_dispatch(),
+            self.cos.clone().into_dispatch(),
+            self.sin.clone().into_dispatch(),
+            positions.clone().into_dispatch(),
+        );
+        Ok(Tensor::from_dispatch(out))
+    }
+}
+
+/// The rotate-half RoPE composition of [`crate::ops::RopeTable::apply`] on explicit tables (the
+/// Flex path of [`DecoKernelOps::rope`]).
+fn rope_composition(x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>, positions: &Tensor<1, Int>) -> Tensor<3> {
+    let cos = cos.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
+    let sin = sin.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
+    let [t, h, d] = x.dims();
+    let half = d / 2;
+    let x1 = x.clone().slice([0..t, 0..h, 0..half]);
+    let x2 = x.clone().slice([0..t, 0..h, half..d]);
+    let rotated = Tensor::cat(vec![x2.neg(), x1], 2);
+    x.mul(cos).add(rotated.mul(sin))
+}

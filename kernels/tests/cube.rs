@@ -1,0 +1,187 @@
+//! The CubeCL kernels of `deco_kernels::cube` against independent references.
+//!
+//! Each test body runs once per device: on `wgpu` (the CubeCL kernel; Mesa lavapipe in CI) and
+//! on `flex` (the reference path behind the same backend extension). Both are compared with an
+//! f64 loop written here from the definition; the wgpu results are also compared with the burn
+//! composition of `deco_kernels::ops` on flex (or the CPU kernels of `deco_kernels::quant`).
+#![cfg(feature = "wgpu")]
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use deco_kernels::{cube, ops};
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn wgpu() -> Device {
+    Device::wgpu(Default::default())
+}
+
+fn devices() -> [(&'static str, Device); 2] {
+    [("wgpu", wgpu()), ("flex", Device::flex())]
+}
+
+fn uniform(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().try_to_vec::<f32>().expect("f32 tensor")
+}
+
+/// Asserts `|a_i − e_i| ≤ atol + rtol · |e_i|` for every element, naming the first failure.
+fn assert_close(what: &str, actual: &[f32], expected: &[f64], atol: f64, rtol: f64) {
+    assert_eq!(actual.len(), expected.len(), "{what}: length");
+    for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
+        let err = (a as f64 - e).abs();
+        assert!(err <= atol + rtol * e.abs(), "{what}: element {i}: got {a}, expected {e} (error {err:e})");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+fn rms_norm_f64(x: &[f32], w: &[f32], hidden: usize, eps: f64) -> Vec<f64> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(hidden) {
+        let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hidden as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        out.extend(row.iter().zip(w).map(|(&v, &g)| v as f64 * inv * g as f64));
+    }
+    out
+}
+
+fn check_rms_norm(tokens: usize, hidden: usize, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x = uniform(&mut rng, tokens * hidden, 3.0);
+    let w = uniform(&mut rng, hidden, 2.0);
+    let eps = 1e-5;
+    let expected = rms_norm_f64(&x, &w, hidden, eps);
+    for (name, dev) in devices() {
+        let xt = Tensor::<2>::from_data(TensorData::new(x.clone(), [tokens, hidden]), &dev);
+        let wt = Tensor::<1>::from_data(TensorData::new(w.clone(), [hidden]), &dev);
+        let out = to_vec(cube::rms_norm(xt, &wt, eps).expect("valid shapes"));
+        assert_close(&format!("rms_norm {name} [{tokens}, {hidden}]"), &out, &expected, 1e-5, 1e-5);
+    }
+    // The kernel against the burn composition it replaces.
+    let flex = Device::flex();
+    let reference = to_vec(ops::rms_norm(
+        Tensor::<2>::from_data(TensorData::new(x.clone(), [tokens, hidden]), &flex),
+        &Tensor::<1>::from_data(TensorData::new(w.clone(), [hidden]), &flex),
+        eps,
+    ));
+    let dev = wgpu();
+    let out = to_vec(
+        cube::rms_norm(
+            Tensor::<2>::from_data(TensorData::new(x, [tokens, hidden]), &dev),
+            &Tensor::<1>::from_data(TensorData::new(w, [hidden]), &dev),
+            eps,
+        )
+        .expect("valid shapes"),
+    );
+    let reference: Vec<f64> = reference.iter().map(|&v| v as f64).collect();
+    assert_close(&format!("rms_norm wgpu vs ops::rms_norm [{tokens}, {hidden}]"), &out, &reference, 1e-5, 1e-5);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #[test]
+    fn rms_norm_matches_reference(tokens in 1usize..=37, hidden in 1usize..=600, seed in any::<u64>()) {
+        check_rms_norm(tokens, hidden, seed);
+    }
+}
+
+#[test]
+fn rms_norm_fixed_shapes() {
+    // One row, a row shorter than the cube, a row spanning several strides, a SmolLM2 width.
+    for (t, h) in [(1, 1), (3, 100), (2, 129), (5, 576)] {
+        check_rms_norm(t, h, 7);
+    }
+}
+
+#[test]
+fn rms_norm_rejects_bad_shapes() {
+    let dev = wgpu();
+    let x = Tensor::<2>::zeros([2, 8], &dev);
+    let w = Tensor::<1>::ones([7], &dev);
+    assert!(cube::rms_norm(x, &w, 1e-5).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE
+
+fn rope_f64(x: &[f32], pos: &[i64], heads: usize, head_dim: usize, inv_freq: &[f64]) -> Vec<f64> {
+    let half = head_dim / 2;
+    let mut out = vec![0.0; x.len()];
+    for (t, &p) in pos.iter().enumerate() {
+        for h in 0..heads {
+            let base = (t * heads + h) * head_dim;
+            for i in 0..head_dim {
+                // The table values are rounded to f32 once, as in RopeTable.
+                let a = p as f64 * inv_freq[i % half];
+                let (c, s) = (a.cos() as f32 as f64, a.sin() as f32 as f64);
+                let rot = if i < half { -(x[base + i + half] as f64) } else { x[base + i - half] as f64 };
+                out[base + i] = x[base + i] as f64 * c + rot * s;
+            }
+        }
+    }
+    out
+}
+
+fn check_rope(tokens: usize, heads: usize, head_dim: usize, max_pos: usize, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x = uniform(&mut rng, tokens * heads * head_dim, 2.0);
+    let pos: Vec<i64> = (0..tokens).map(|_| rng.random_range(0..max_pos as i64)).collect();
+    let inv_freq = ops::rope_inv_freq(head_dim, 10_000.0);
+    let expected = rope_f64(&x, &pos, heads, head_dim, &inv_freq);
+    let shape = [tokens, heads, head_dim];
+    for (name, dev) in devices() {
+        let rope = cube::CubeRope::new(&inv_freq, max_pos, &dev);
+        let xt = Tensor::<3>::from_data(TensorData::new(x.clone(), shape), &dev);
+        let pt = Tensor::<1, Int>::from_data(TensorData::new(pos.clone(), [tokens]), &dev);
+        let out = to_vec(rope.apply(xt, &pt).expect("valid shapes"));
+        assert_close(&format!("rope {name} {shape:?}"), &out, &expected, 1e-6, 1e-6);
+    }
+    let flex = Device::flex();
+    let table = ops::RopeTable::new(&inv_freq, max_pos, &flex);
+    let reference = to_vec(table.apply(
+        Tensor::<3>::from_data(TensorData::new(x.clone(), shape), &flex),
+        &Tensor::<1, Int>::from_data(TensorData::new(pos.clone(), [tokens]), &flex),
+    ));
+    let dev = wgpu();
+    let out = to_vec(
+        cube::CubeRope::new(&inv_freq, max_pos, &dev)
+            .apply(
+                Tensor::<3>::from_data(TensorData::new(x, shape), &dev),
+                &Tensor::<1, Int>::from_data(TensorData::new(pos, [tokens]), &dev),
+            )
+            .expect("valid shapes"),
+    );
+    let reference: Vec<f64> = reference.iter().map(|&v| v as f64).collect();
+    assert_close(&format!("rope wgpu vs RopeTable::apply {shape:?}"), &out, &reference, 1e-6, 1e-6);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #[test]
+    fn rope_matches_reference(
+        tokens in 1usize..=37,
+        heads in prop::sample::select(vec![1usize, 3, 4, 9]),
+        head_dim in prop::sample::select(vec![2usize, 8, 64, 128]),
+        max_pos in 1usize..=200,
+        seed in any::<u64>(),
+    ) {
+        check_rope(tokens, heads, head_dim, max_pos, seed);
+    }
+}
+
+#[test]
+fn rope_rejects_bad_shapes() {
+    let dev = wgpu();
+    let rope = cube::CubeRope::new(&ops::rope_inv_freq(64, 10_000.0), 16, &dev);
+    let x = Tensor::<3>::zeros([3, 2, 32], &dev);
+    let pos = Tensor::<1, Int>::arange(0..3, &dev);
+    assert!(rope.apply(x, &pos).is_err(), "head_dim mismatch");
+    let x = Tensor::<3>::zeros([3, 2, 64], &dev);
+    let pos = Tensor::<1, Int>::arange(0..2, &dev);
+    assert!(rope.apply(x, &pos).is_err(), "positions length mismatch");
+}
