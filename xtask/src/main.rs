@@ -7,6 +7,7 @@
 //! * `bench generate` — deco vs llama.cpp prefill/decode throughput on the same GGUF.
 //! * `bench autodeco` — GSM pass@k of greedy / sampling / oracle static / AutoDeco into docs/autodeco.md.
 //! * `bench compress` — pruning results (perplexity, size, speed) into docs/compression.md.
+//! * `bench serve` — serving throughput at 1-64 streams, latency, load test into docs/serving.md.
 
 mod autodeco;
 mod bench;
@@ -16,6 +17,7 @@ mod fetch;
 mod manifest;
 mod python;
 mod quant;
+mod serve;
 mod util;
 
 use std::path::PathBuf;
@@ -259,6 +261,21 @@ enum BenchCmd {
         #[arg(long, value_name = "PATH")]
         deco_bin: Option<PathBuf>,
     },
+    /// Serving: aggregate tok/s at 1, 4, 16, 64 concurrent streams, TTFT / inter-token latency,
+    /// load test (1,000 requests, 64 clients); updates docs/serving.md and its plot.
+    Serve {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Runs of the whole benchmark (medians).
+        #[arg(long, default_value_t = 1)]
+        repeats: usize,
+        /// One request per stream and 128 load-test requests (smoke run).
+        #[arg(long)]
+        quick: bool,
+        /// Print only; do not rewrite docs/serving.md.
+        #[arg(long)]
+        no_docs: bool,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -424,6 +441,13 @@ fn real_main() -> Result<()> {
             repeats,
             only,
             deco_bin,
+        }),
+        Cmd::Bench { which: BenchCmd::Serve { cache, repeats, quick, no_docs } } => serve::run(&serve::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            repeats,
+            quick,
+            no_docs,
         }),
     }
 }
