@@ -185,3 +185,131 @@ fn rope_rejects_bad_shapes() {
     let pos = Tensor::<1, Int>::arange(0..2, &dev);
     assert!(rope.apply(x, &pos).is_err(), "positions length mismatch");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Quantized matmul
+
+use deco_formats::ggml::{self, GgmlType};
+use deco_kernels::quant::{BlockType, PackedMatrix};
+
+const TYPES: [BlockType; 3] = [BlockType::Q8_0, BlockType::Q4_0, BlockType::Q4_1];
+
+fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
+    match ty {
+        BlockType::Q4_0 => ggml::quantize_q4_0(w),
+        BlockType::Q4_1 => ggml::quantize_q4_1(w),
+        BlockType::Q8_0 => ggml::quantize_q8_0(w),
+    }
+    .expect("quantize")
+}
+
+fn ggml_type(ty: BlockType) -> GgmlType {
+    match ty {
+        BlockType::Q4_0 => GgmlType::Q4_0,
+        BlockType::Q4_1 => GgmlType::Q4_1,
+        BlockType::Q8_0 => GgmlType::Q8_0,
+    }
+}
+
+/// Checks the packed matmul on every device against the f64 product of the weights as ggml's
+/// scalar `dequantize_row_*` (deco-formats) decodes them, with `|y − ref| ≤ 1e-5 · Σ|w x| + 1e-6`;
+/// on wgpu also against the CPU kernel `PackedMatrix::matmul` with the same bound.
+fn check_quant(ty: BlockType, packed: Vec<u8>, rows: usize, cols: usize, n: usize, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x = uniform(&mut rng, n * cols, 2.0);
+    let wd = ggml::dequantize(ggml_type(ty), &packed, rows * cols).expect("dequantize");
+    let mut expected = vec![0.0f64; n * rows];
+    let mut bound = vec![0.0f64; n * rows];
+    for t in 0..n {
+        for r in 0..rows {
+            let (mut s, mut a) = (0.0f64, 0.0f64);
+            for k in 0..cols {
+                let p = wd[r * cols + k] as f64 * x[t * cols + k] as f64;
+                s += p;
+                a += p.abs();
+            }
+            expected[t * rows + r] = s;
+            bound[t * rows + r] = 1e-5 * a + 1e-6;
+        }
+    }
+    let m = PackedMatrix::new(ty, rows, cols, packed).expect("packed");
+    let mut cpu = vec![0.0f32; n * rows];
+    m.matmul(&x, n, &mut cpu).expect("cpu matmul");
+    for (name, dev) in devices() {
+        let w = cube::CubePackedMatrix::upload(&m, &dev);
+        let xt = Tensor::<2>::from_data(TensorData::new(x.clone(), [n, cols]), &dev);
+        let y = to_vec(w.matmul(xt).expect("valid shapes"));
+        assert_eq!(y.len(), n * rows);
+        for i in 0..y.len() {
+            let err = (y[i] as f64 - expected[i]).abs();
+            assert!(
+                err <= bound[i],
+                "{ty:?} {name} [{rows}x{cols}] n={n} element {i}: got {}, expected {} (error {err:e}, bound {:e})",
+                y[i],
+                expected[i],
+                bound[i]
+            );
+            if name == "wgpu" {
+                let err = (y[i] as f64 - cpu[i] as f64).abs();
+                assert!(err <= 2.0 * bound[i], "{ty:?} wgpu vs PackedMatrix::matmul element {i}: {} vs {}", y[i], cpu[i]);
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10, ..ProptestConfig::default() })]
+    #[test]
+    fn quant_matmul_matches_reference(
+        ty in prop::sample::select(TYPES.to_vec()),
+        rows in 1usize..=70,
+        blocks in 1usize..=32,
+        n in 1usize..=37,
+        seed in any::<u64>(),
+    ) {
+        let cols = blocks * 32;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
+        // A per-row offset so that Q4_1's min matters.
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| rng.random_range(-0.5f32..0.5) + if (i / cols) % 3 == 0 { 0.4 } else { 0.0 })
+            .collect();
+        check_quant(ty, quantize(ty, &w), rows, cols, n, seed);
+    }
+}
+
+/// Raw random blocks: every byte random except the f16 scale / min, drawn from all finite f16
+/// values (zeros, subnormals, negatives, up to ±65504) to exercise the in-kernel f16 decoding.
+#[test]
+fn quant_matmul_raw_blocks() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for ty in TYPES {
+        for (rows, blocks, n) in [(1, 1, 1), (5, 3, 2), (9, 18, 5), (33, 7, 9)] {
+            let cols = blocks * 32;
+            let bb = ty.block_bytes();
+            let mut bytes = vec![0u8; rows * blocks * bb];
+            rng.fill(&mut bytes[..]);
+            for blk in bytes.chunks_exact_mut(bb) {
+                let heads = if ty == BlockType::Q4_1 { 2 } else { 1 };
+                for h in 0..heads {
+                    let bits: u16 = loop {
+                        let b: u16 = if rng.random_bool(0.2) { rng.random_range(0..0x0400) } else { rng.random() };
+                        if (b >> 10) & 31 != 31 {
+                            break b; // finite
+                        }
+                    };
+                    blk[2 * h..2 * h + 2].copy_from_slice(&bits.to_le_bytes());
+                }
+            }
+            check_quant(ty, bytes, rows, cols, n, rows as u64);
+        }
+    }
+}
+
+#[test]
+fn quant_matmul_rejects_bad_shapes() {
+    let dev = wgpu();
+    let m = PackedMatrix::new(BlockType::Q8_0, 2, 64, vec![0; 2 * 2 * 34]).expect("packed");
+    let w = cube::CubePackedMatrix::upload(&m, &dev);
+    assert!(w.matmul(Tensor::<2>::zeros([3, 32], &dev)).is_err());
+    assert!(w.matmul(Tensor::<2>::zeros([3, 64], &dev)).is_ok());
+}

@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | [`rms_norm`] | one cube per row, shared-memory tree reduction | [`crate::ops::rms_norm`] |
 //! | [`CubeRope::apply`] | one unit per element, rotate-half | [`crate::ops::RopeTable::apply`] |
+//! | [`CubePackedMatrix::matmul`] | dequantize-in-registers dot products, 32 lanes per row | [`PackedMatrix::matmul`] |
 //!
 //! All kernels take and return f32 (activations and accumulation in f32).
 //!
@@ -20,13 +21,18 @@
 //!   `|out − ref| ≤ 1e-5 · (1 + |ref|)`.
 //! - RoPE: the same two products and one sum as the reference (a GPU may fuse them into an
 //!   FMA); `|out − ref| ≤ 1e-6 · (1 + |ref|)`.
+//! - Quantized matmul: the product of the exactly dequantized weights with the f32
+//!   activations, summed in another order than the CPU kernel;
+//!   `|y − ref| ≤ 1e-5 · Σ|w x| + 1e-6` per element (the bound of `tests/quant.rs`).
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Cube, Flex, backend_extension};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::error::{Error, Result};
+use crate::quant::{BlockType, PackedMatrix};
 
+mod quant;
 mod rms_norm;
 mod rope;
 
@@ -48,6 +54,16 @@ pub trait DecoKernelOps: Backend {
         sin: FloatTensor<Self>,
         positions: IntTensor<Self>,
     ) -> FloatTensor<Self>;
+
+    /// `y[n, rows] = x[n, cols] · Wᵀ` on packed GGUF blocks, see [`CubePackedMatrix::matmul`].
+    /// `x: [n, cols]`, `words`: the packed bytes of `W` as little-endian u32 words (dtype u32).
+    fn quant_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        ty: BlockType,
+        rows: usize,
+        cols: usize,
+    ) -> FloatTensor<Self>;
 }
 
 impl DecoKernelOps for Cube {
@@ -62,6 +78,16 @@ impl DecoKernelOps for Cube {
         positions: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         rope::launch(x, cos, sin, positions)
+    }
+
+    fn quant_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        ty: BlockType,
+        rows: usize,
+        cols: usize,
+    ) -> FloatTensor<Self> {
+        quant::launch(x, words, ty, rows, cols)
     }
 }
 
@@ -84,6 +110,30 @@ impl DecoKernelOps for Flex {
         let sin = Tensor::<2>::from_primitive::<Flex>(sin);
         let positions = Tensor::<1, Int>::from_primitive::<Flex>(positions);
         into_flex(rope_composition(x, &cos, &sin, &positions))
+    }
+
+    /// Copies the words back to bytes and runs [`PackedMatrix::matmul`] (the CPU kernel).
+    fn quant_matmul(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        ty: BlockType,
+        rows: usize,
+        cols: usize,
+    ) -> FloatTensor<Self> {
+        let x = Tensor::<2>::from_primitive::<Flex>(x);
+        let device = x.device();
+        let [n, _] = x.dims();
+        let words = Tensor::<1, Int>::from_primitive::<Flex>(words)
+            .into_data()
+            .try_into_vec::<u32>()
+            .expect("the words are uploaded as u32");
+        let nbytes = rows * (cols / crate::quant::BLOCK) * ty.block_bytes();
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).take(nbytes).collect();
+        let m = PackedMatrix::new(ty, rows, cols, bytes).expect("shapes checked by CubePackedMatrix");
+        let xs = x.into_data().try_into_vec::<f32>().expect("f32 checked by CubePackedMatrix");
+        let mut y = vec![0.0f32; n * rows];
+        m.matmul(&xs, n, &mut y).expect("lengths checked by CubePackedMatrix");
+        into_flex(Tensor::<2>::from_data(TensorData::new(y, [n, rows]), &device))
     }
 }
 
@@ -237,4 +287,96 @@ fn rope_composition(x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>, positions: &
     let x2 = x.clone().slice([0..t, 0..h, half..d]);
     let rotated = Tensor::cat(vec![x2.neg(), x1], 2);
     x.mul(cos).add(rotated.mul(sin))
+}
+
+/// A [`PackedMatrix`] uploaded to a device for [`CubePackedMatrix::matmul`].
+///
+/// `W: [rows, cols]` (`[out_features, in_features]`) stays in its GGUF blocks (Q8_0, Q4_0 or
+/// Q4_1, layouts in [`crate::quant::BlockType`], from ggml-common.h): the bytes are stored as
+/// little-endian u32 words (dtype u32), zero-padded to a whole word, i.e. 1.06 (Q8_0),
+/// 0.56 (Q4_0) or 0.63 (Q4_1) bytes per weight on the device instead of 4.
+#[derive(Debug, Clone)]
+pub struct CubePackedMatrix {
+    words: Tensor<1, Int>,
+    ty: BlockType,
+    rows: usize,
+    cols: usize,
+}
+
+impl CubePackedMatrix {
+    /// Uploads the packed bytes of `m` to `device`.
+    pub fn upload(m: &PackedMatrix, device: &Device) -> Self {
+        let bytes = m.as_bytes();
+        let words: Vec<u32> = bytes
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                u32::from_le_bytes(w)
+            })
+            .collect();
+        let len = words.len();
+        Self {
+            words: Tensor::from_data(TensorData::new(words, [len]), (device, DType::U32)),
+            ty: m.ty(),
+            rows: m.rows(),
+            cols: m.cols(),
+        }
+    }
+
+    /// Block type.
+    pub fn ty(&self) -> BlockType {
+        self.ty
+    }
+
+    /// Rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Row length (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// `y[n, rows] = x[n, cols] · Wᵀ` with f32 activations and f32 accumulation.
+    ///
+    /// On a CubeCL device, a cube of 32 × 4 units computes 4 output rows for 4 tokens: each
+    /// row's blocks are split over 32 lanes, each lane decodes the f16 scale (and min) of its
+    /// blocks with integer operations, dequantizes the weights in registers (`d · (q − 8)`,
+    /// `d · q + m`, `d · q`, as ggml's `dequantize_row_*`) and accumulates `w · x` for its 4
+    /// tokens; the 32 partial sums are then reduced in shared memory. No f32 copy of `W` is
+    /// made. On Flex, the words are copied back to bytes and multiplied by
+    /// [`PackedMatrix::matmul`] (a reference path: it copies the weights on every call).
+    ///
+    /// # Shapes
+    /// - `x`: `[n, cols]`, f32, on the device of the matrix
+    /// - output: `[n, rows]`
+    ///
+    /// # Errors
+    /// [`Error::Incompatible`] for a row length other than `cols`, a dtype other than f32,
+    /// another device, or more than `65535 · 4` rows or tokens (the cube-count limit).
+    pub fn matmul(&self, x: Tensor<2>) -> Result<Tensor<2>> {
+        let [n, c] = x.dims();
+        if c != self.cols {
+            return Err(Error::Incompatible(format!("quant matmul: x rows of {c} values, W has {} columns", self.cols)));
+        }
+        let limit = 65_535 * quant::ROWS.min(quant::TOKENS) as usize;
+        if self.rows > limit || n > limit {
+            return Err(Error::Incompatible(format!(
+                "quant matmul: {} rows x {n} tokens exceeds the cube grid ({limit} each)",
+                self.rows
+            )));
+        }
+        check_f32("quant matmul x", &x)?;
+        check_device("quant matmul", &x.device(), &self.words.device())?;
+        let out = <burn::backend::Dispatch as DecoKernelOps>::quant_matmul(
+            x.into_dispatch(),
+            self.words.clone().into_dispatch(),
+            self.ty,
+            self.rows,
+            self.cols,
+        );
+        Ok(Tensor::from_dispatch(out))
+    }
 }
