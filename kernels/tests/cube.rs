@@ -313,3 +313,98 @@ fn quant_matmul_rejects_bad_shapes() {
     assert!(w.matmul(Tensor::<2>::zeros([3, 32], &dev)).is_err());
     assert!(w.matmul(Tensor::<2>::zeros([3, 64], &dev)).is_ok());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Causal GQA attention (prefill)
+
+/// `out[t, h] = Σ_p softmax_p(q[t, h] · k[p, h/g] / sqrt(d)) v[p, h/g]`, `p = 0 ..= past + t`, in
+/// f64.
+#[allow(clippy::too_many_arguments)]
+fn attention_f64(q: &[f32], k: &[f32], v: &[f32], t_len: usize, heads: usize, kvh: usize, d: usize, past: usize) -> Vec<f64> {
+    let g = heads / kvh;
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![0.0; t_len * heads * d];
+    for t in 0..t_len {
+        for h in 0..heads {
+            let j = h / g;
+            let qh = &q[(t * heads + h) * d..][..d];
+            let scores: Vec<f64> = (0..=past + t)
+                .map(|p| {
+                    let kp = &k[(p * kvh + j) * d..][..d];
+                    qh.iter().zip(kp).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale
+                })
+                .collect();
+            let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            for (p, wp) in w.iter().enumerate() {
+                let vp = &v[(p * kvh + j) * d..][..d];
+                for i in 0..d {
+                    out[(t * heads + h) * d + i] += wp / sum * vp[i] as f64;
+                }
+            }
+        }
+    }
+    out
+}
+
+fn check_attention(tokens: usize, heads: usize, kvh: usize, d: usize, past: usize, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let s = past + tokens;
+    let q = uniform(&mut rng, tokens * heads * d, 1.0);
+    let k = uniform(&mut rng, s * kvh * d, 1.0);
+    let v = uniform(&mut rng, s * kvh * d, 1.0);
+    let expected = attention_f64(&q, &k, &v, tokens, heads, kvh, d, past);
+    let tensors = |dev: &Device| {
+        (
+            Tensor::<3>::from_data(TensorData::new(q.clone(), [tokens, heads, d]), dev),
+            Tensor::<3>::from_data(TensorData::new(k.clone(), [s, kvh, d]), dev),
+            Tensor::<3>::from_data(TensorData::new(v.clone(), [s, kvh, d]), dev),
+        )
+    };
+    let what = format!("tokens {tokens} heads {heads}/{kvh} d {d} past {past}");
+    for (name, dev) in devices() {
+        let (qt, kt, vt) = tensors(&dev);
+        let out = to_vec(cube::flash_attention(qt, kt, vt, past).expect("valid shapes"));
+        assert_close(&format!("attention {name} {what}"), &out, &expected, 2e-5, 2e-5);
+    }
+    let flex = Device::flex();
+    let (qt, kt, vt) = tensors(&flex);
+    let reference: Vec<f64> = to_vec(ops::causal_gqa_attention(qt, kt, vt, past)).iter().map(|&x| x as f64).collect();
+    let (qt, kt, vt) = tensors(&wgpu());
+    let out = to_vec(cube::flash_attention(qt, kt, vt, past).expect("valid shapes"));
+    assert_close(&format!("attention wgpu vs ops::causal_gqa_attention {what}"), &out, &reference, 2e-5, 2e-5);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10, ..ProptestConfig::default() })]
+    #[test]
+    fn flash_attention_matches_reference(
+        tokens in 1usize..=37,
+        (heads, kvh) in prop::sample::select(vec![(9usize, 3usize), (4, 1), (2, 2)]),
+        past in 0usize..=70,
+        seed in any::<u64>(),
+    ) {
+        check_attention(tokens, heads, kvh, 64, past, seed);
+    }
+}
+
+#[test]
+fn flash_attention_other_head_dims() {
+    // head_dim not a multiple of 32 (lanes with no output column), one query row, a long past.
+    for (tokens, heads, kvh, d, past) in [(5, 4, 2, 80, 3), (1, 3, 1, 32, 0), (1, 2, 1, 128, 100), (40, 2, 1, 16, 9)] {
+        check_attention(tokens, heads, kvh, d, past, 3);
+    }
+}
+
+#[test]
+fn flash_attention_rejects_bad_shapes() {
+    let dev = wgpu();
+    let q = || Tensor::<3>::zeros([3, 4, 8], &dev);
+    let kv = |s: usize, h: usize, d: usize| Tensor::<3>::zeros([s, h, d], &dev);
+    assert!(cube::flash_attention(q(), kv(5, 2, 8), kv(5, 2, 8), 2).is_ok());
+    assert!(cube::flash_attention(q(), kv(4, 2, 8), kv(4, 2, 8), 2).is_err(), "cache length");
+    assert!(cube::flash_attention(q(), kv(5, 3, 8), kv(5, 3, 8), 2).is_err(), "kv_heads must divide heads");
+    assert!(cube::flash_attention(q(), kv(5, 2, 8), kv(5, 2, 4), 2).is_err(), "k/v shapes differ");
+    assert!(cube::flash_attention(q(), kv(5, 2, 4), kv(5, 2, 4), 2).is_err(), "head_dim differs");
+}

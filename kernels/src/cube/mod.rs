@@ -13,6 +13,7 @@
 //! | [`rms_norm`] | one cube per row, shared-memory tree reduction | [`crate::ops::rms_norm`] |
 //! | [`CubeRope::apply`] | one unit per element, rotate-half | [`crate::ops::RopeTable::apply`] |
 //! | [`CubePackedMatrix::matmul`] | dequantize-in-registers dot products, 32 lanes per row | [`PackedMatrix::matmul`] |
+//! | [`flash_attention`] | FlashAttention-2 tiles, online softmax, causal tile skipping | [`crate::ops::causal_gqa_attention`] |
 //!
 //! All kernels take and return f32 (activations and accumulation in f32).
 //!
@@ -24,6 +25,17 @@
 //! - Quantized matmul: the product of the exactly dequantized weights with the f32
 //!   activations, summed in another order than the CPU kernel;
 //!   `|y − ref| ≤ 1e-5 · Σ|w x| + 1e-6` per element (the bound of `tests/quant.rs`).
+//! - Attention: online softmax in f32 (scores, exponentials and `P · V` in another order than
+//!   the composition's matmul/softmax); `|out − ref| ≤ 2e-5 · (1 + |ref|)` against an f64 loop
+//!   for inputs in `[-1, 1]`.
+//!
+//! # Sources
+//! - Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+//!   Partitioning", Algorithm 1 (tiled forward pass with online softmax).
+//! - ggml-common.h (llama.cpp): `block_q4_0`, `block_q4_1`, `block_q8_0` layouts; ggml-quants.c
+//!   `dequantize_row_*` for the arithmetic.
+//! - Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoFormer, rotary embedding); Ainslie et al.
+//!   2023 (grouped-query attention).
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Cube, Flex, backend_extension};
@@ -32,6 +44,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use crate::error::{Error, Result};
 use crate::quant::{BlockType, PackedMatrix};
 
+mod flash;
 mod quant;
 mod rms_norm;
 mod rope;
@@ -64,6 +77,10 @@ pub trait DecoKernelOps: Backend {
         rows: usize,
         cols: usize,
     ) -> FloatTensor<Self>;
+
+    /// Causal GQA attention of a prefill, see [`flash_attention`]. `q: [tokens, heads, head_dim]`,
+    /// `k`, `v`: `[past + tokens, kv_heads, head_dim]`; output `[tokens, heads · head_dim]`.
+    fn flash_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, past: usize) -> FloatTensor<Self>;
 }
 
 impl DecoKernelOps for Cube {
@@ -88,6 +105,20 @@ impl DecoKernelOps for Cube {
         cols: usize,
     ) -> FloatTensor<Self> {
         quant::launch(x, words, ty, rows, cols)
+    }
+
+    fn flash_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, past: usize) -> FloatTensor<Self> {
+        let (q2, k2, v2) = (q.clone(), k.clone(), v.clone());
+        flash::launch(q, k, v, past).unwrap_or_else(|| {
+            // No tiling fits the device's shared memory (a very large head_dim): the burn
+            // composition on the same device.
+            let q = Tensor::<3>::from_primitive::<Cube>(q2);
+            let k = Tensor::<3>::from_primitive::<Cube>(k2);
+            let v = Tensor::<3>::from_primitive::<Cube>(v2);
+            crate::ops::causal_gqa_attention(q, k, v, past)
+                .try_into_primitive::<Cube>()
+                .expect("a composition of Cube tensors stays on Cube")
+        })
     }
 }
 
@@ -134,6 +165,13 @@ impl DecoKernelOps for Flex {
         let mut y = vec![0.0f32; n * rows];
         m.matmul(&xs, n, &mut y).expect("lengths checked by CubePackedMatrix");
         into_flex(Tensor::<2>::from_data(TensorData::new(y, [n, rows]), &device))
+    }
+
+    fn flash_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, past: usize) -> FloatTensor<Self> {
+        let q = Tensor::<3>::from_primitive::<Flex>(q);
+        let k = Tensor::<3>::from_primitive::<Flex>(k);
+        let v = Tensor::<3>::from_primitive::<Flex>(v);
+        into_flex(crate::ops::causal_gqa_attention(q, k, v, past))
     }
 }
 
@@ -379,4 +417,51 @@ impl CubePackedMatrix {
         );
         Ok(Tensor::from_dispatch(out))
     }
+}
+
+/// Causal scaled-dot-product attention with grouped-query heads for a prefill (or a chunk of
+/// one) whose first `past` positions are already in the key/value cache, as
+/// [`crate::ops::causal_gqa_attention`]: query row `t` sits at absolute position `past + t` and
+/// attends to keys `0 ..= past + t`; query head `h` uses key/value head
+/// `h / (heads / kv_heads)`; scores are scaled by `1 / sqrt(head_dim)`.
+///
+/// On a CubeCL device this is a FlashAttention-2 forward pass (Dao 2023, Algorithm 1): a cube
+/// of `32 × 8` units owns 8 query rows of one head, streams the keys and values of its group
+/// through shared memory in tiles of 32 positions, and keeps a running max / sum per row (online
+/// softmax), so memory is `O(tokens · heads · head_dim)`: the `[tokens, past + tokens]` score
+/// matrix is never materialized. Key tiles entirely in the causal future of a cube's rows are
+/// skipped. Smaller tiles are used when the device has little shared memory; if even the
+/// smallest does not fit (a very large `head_dim`), the composition runs instead.
+///
+/// # Shapes
+/// - `q`: `[tokens, heads, head_dim]`, f32 (RoPE applied)
+/// - `k`, `v`: `[past + tokens, kv_heads, head_dim]`, f32, same device
+/// - output: `[tokens, heads * head_dim]`
+///
+/// # Errors
+/// [`Error::Incompatible`] if `k`/`v` do not hold `past + tokens` positions, their shapes differ,
+/// `kv_heads` is zero or does not divide `heads`, `head_dim` differs, a dtype is not f32, or the
+/// tensors are on different devices.
+pub fn flash_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize) -> Result<Tensor<2>> {
+    let [t, heads, d] = q.dims();
+    let [s, kv_heads, dk] = k.dims();
+    if v.dims() != k.dims() {
+        return Err(Error::Incompatible(format!("attention: k {:?} and v {:?} differ", k.dims(), v.dims())));
+    }
+    if s != past + t {
+        return Err(Error::Incompatible(format!("attention: {s} cached positions for past {past} + {t} tokens")));
+    }
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || dk != d {
+        return Err(Error::Incompatible(format!(
+            "attention: q heads {heads} x {d}, kv heads {kv_heads} x {dk} (need kv_heads | heads, equal head_dim)"
+        )));
+    }
+    for (what, x) in [("attention q", &q), ("attention k", &k), ("attention v", &v)] {
+        check_f32(what, x)?;
+    }
+    check_device("attention k", &q.device(), &k.device())?;
+    check_device("attention v", &q.device(), &v.device())?;
+    let out =
+        <burn::backend::Dispatch as DecoKernelOps>::flash_attention(q.into_dispatch(), k.into_dispatch(), v.into_dispatch(), past);
+    Ok(Tensor::from_dispatch(out))
 }
