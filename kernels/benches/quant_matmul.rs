@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use deco_kernels::quant::{BlockType, Isa, PackedMatrix};
+use deco_kernels::quant::{BlockType, Isa, PackedMatrix, q8_available};
 
 fn matrix(ty: BlockType, rows: usize, cols: usize, seed: u8) -> PackedMatrix {
     let bb = ty.block_bytes();
@@ -52,26 +52,32 @@ fn main() {
     println!("{:<6} {:<5} {:<8} {:>4} {:>10} {:>8} {:>8}", "type", "isa", "shape", "n", "us/call", "GB/s", "GMAC/s");
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let keep = |name: String| args.is_empty() || args.contains(&name);
-    let any_isa = args.iter().all(|a| !a.starts_with("Avx") && a != "Scalar");
+    let any_isa = args.iter().all(|a| !a.starts_with("Avx") && a != "Scalar" && a != "Q8act");
     let any_ty = args.iter().all(|a| !a.starts_with('Q'));
     for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0] {
         if !any_ty && !keep(format!("{ty:?}")) {
             continue;
         }
-        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512] {
-            if !isa.is_available() || (!any_isa && !keep(format!("{isa:?}"))) {
+        // `None`: the 8-bit-activation VNNI kernel (`matmul_q8`), printed as isa `Q8act`.
+        for isa in [Some(Isa::Scalar), Some(Isa::Avx2), Some(Isa::Avx512), None] {
+            let name = isa.map_or("Q8act".to_string(), |i| format!("{i:?}"));
+            let available = isa.map_or(q8_available(), |i| i.is_available());
+            if !available || (!any_isa && !keep(name.clone())) {
                 continue;
             }
-            for &(name, rows, cols) in &shapes {
+            for &(shape, rows, cols) in &shapes {
                 let m = matrix(ty, rows, cols, 7);
                 for n in [1usize, 16, 64] {
                     let x: Vec<f32> = (0..n * cols).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
                     let mut y = vec![0.0f32; n * rows];
                     let reps = if n == 1 { 200 } else { 10 };
-                    let s = time(reps, || m.matmul_with(black_box(&x), n, &mut y, isa).expect("matmul"));
+                    let s = time(reps, || match isa {
+                        Some(isa) => m.matmul_with(black_box(&x), n, &mut y, isa).expect("matmul"),
+                        None => m.matmul_q8(black_box(&x), n, &mut y).expect("matmul_q8"),
+                    });
                     let gbs = m.as_bytes().len() as f64 / s / 1e9;
                     let gmac = (n * rows * cols) as f64 / s / 1e9;
-                    println!("{:<6} {:<5} {:<8} {:>4} {:>10.1} {:>8.1} {:>8.1}", format!("{ty:?}"), format!("{isa:?}"), name, n, s * 1e6, gbs, gmac);
+                    println!("{:<6} {:<5} {:<8} {:>4} {:>10.1} {:>8.1} {:>8.1}", format!("{ty:?}"), name, shape, n, s * 1e6, gbs, gmac);
                 }
             }
         }
@@ -82,21 +88,28 @@ fn main() {
         let bytes: usize = layers.iter().flatten().map(|m| m.as_bytes().len()).sum();
         let x: Vec<f32> = (0..1536).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut y = vec![0.0f32; 3072];
-        let s = time(20, || {
-            for l in &layers {
-                for m in l {
-                    m.matmul(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul");
-                }
+        for q8 in [false, true] {
+            if q8 && !q8_available() {
+                continue;
             }
-        });
-        println!(
-            "{:<6} all 30 layers, 1 token: {:.2} ms, {:.1} MB, {:.1} GB/s ({:.0} tok/s if nothing else ran)",
-            format!("{ty:?}"),
-            s * 1e3,
-            bytes as f64 / 1e6,
-            bytes as f64 / s / 1e9,
-            1.0 / s
-        );
+            let s = time(20, || {
+                for l in &layers {
+                    for m in l {
+                        let (xs, ys) = (black_box(&x[..m.cols()]), &mut y[..m.rows()]);
+                        if q8 { m.matmul_q8(xs, 1, ys).expect("matmul_q8") } else { m.matmul(xs, 1, ys).expect("matmul") }
+                    }
+                }
+            });
+            println!(
+                "{:<6} all 30 layers, 1 token{}: {:.2} ms, {:.1} MB, {:.1} GB/s ({:.0} tok/s if nothing else ran)",
+                format!("{ty:?}"),
+                if q8 { ", Q8act" } else { "" },
+                s * 1e3,
+                bytes as f64 / 1e6,
+                bytes as f64 / s / 1e9,
+                1.0 / s
+            );
+        }
     }
     // The dequantize + gemm alternative for prefill.
     let m = matrix(BlockType::Q4_1, 3072, 576, 7);

@@ -31,6 +31,9 @@ pub enum Error {
     /// Matrices that cannot be combined (different block types or row lengths).
     #[error("incompatible matrices: {0}")]
     Incompatible(String),
+    /// A kernel variant this CPU cannot run.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// `Result` with [`Error`].

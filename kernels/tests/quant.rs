@@ -2,7 +2,7 @@
 //! scalar `dequantize_row_*`), then multiply in f64.
 
 use deco_formats::ggml::{self, GgmlType};
-use deco_kernels::quant::{BlockType, Isa, PackedMatrix};
+use deco_kernels::quant::{ActivationPrecision, BlockType, Isa, PackedMatrix, QuantizedActivations, q8_available, set_activation_precision};
 use proptest::prelude::*;
 
 fn ggml_type(ty: BlockType) -> GgmlType {
@@ -161,4 +161,101 @@ fn bad_inputs_are_errors() {
     assert!(m.matmul(&[0.0; 31], 1, &mut y).is_err());
     assert!(m.matmul(&[0.0; 32], 1, &mut y[..1]).is_err());
     assert!(m.matmul(&[0.0; 32], 1, &mut y).is_ok());
+}
+
+/// `matmul_q8` against two f64 references: (a) the dequantized weights times the *dequantized*
+/// 8-bit activations (`q · d`), tight bound `1e-5 · Σ|w·x̂| + 1e-6` (checks the integer
+/// arithmetic, offsets and scales); (b) the exact activations, bound `Σ_b (d_b / 2) · Σ_{i∈b}
+/// |w_i|` from the activation rounding plus the f32 term. Also batch invariance.
+fn check_q8(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64) -> Result<(), TestCaseError> {
+    let w = values(seed, rows * cols, 0.5);
+    let x = values(seed ^ 0xABCD, n * cols, 2.0);
+    let packed = quantize(ty, &w);
+    let wd = ggml::dequantize(ggml_type(ty), &packed, rows * cols).expect("dequantize");
+    let m = PackedMatrix::new(ty, rows, cols, packed).expect("packed");
+    let qa = QuantizedActivations::quantize(&x, n, cols).expect("quantize x");
+    let mut y = vec![f32::NAN; n * rows];
+    m.matmul_q8(&x, n, &mut y).expect("matmul_q8");
+    let t = n / 2;
+    let mut y1 = vec![f32::NAN; rows];
+    m.matmul_q8(&x[t * cols..(t + 1) * cols], 1, &mut y1).expect("matmul_q8");
+    prop_assert_eq!(&y1[..], &y[t * rows..(t + 1) * rows], "token {} alone differs", t);
+    for t in 0..n {
+        for r in 0..rows {
+            let (mut deq, mut deq_mag, mut exact, mut bound) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+            for c in 0..cols {
+                let wv = wd[r * cols + c] as f64;
+                let b = t * (cols / 32) + c / 32;
+                let xh = qa.codes[t * cols + c] as f64 * qa.scales[b] as f64;
+                deq += wv * xh;
+                deq_mag += (wv * xh).abs();
+                exact += wv * x[t * cols + c] as f64;
+                bound += wv.abs() * qa.scales[b] as f64 / 2.0;
+            }
+            let got = y[t * rows + r] as f64;
+            let tol = 1e-5 * deq_mag + 1e-6;
+            prop_assert!((got - deq).abs() <= tol, "{ty:?} rows={rows} cols={cols} n={n} at ({t},{r}): got {got}, want {deq} (tol {tol})");
+            prop_assert!((got - exact).abs() <= bound + tol, "{ty:?} at ({t},{r}): got {got}, exact {exact}, bound {bound}");
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn matmul_q8_matches_reference(
+        ty in block_type(),
+        rows in 1usize..=75,
+        blocks in 1usize..=12,
+        n in prop_oneof![1usize..=9, 60usize..=66],
+        seed in any::<u64>(),
+    ) {
+        if q8_available() {
+            check_q8(ty, rows, blocks * 32, n, seed)?;
+        }
+    }
+
+    /// Codes in −127..=127, `|x − q·d| ≤ d/2`, the scaled sums, and `max|x|` mapping to ±127.
+    #[test]
+    fn activation_quantization_round_trip(blocks in 1usize..=8, n in 1usize..=3, seed in any::<u64>()) {
+        let cols = blocks * 32;
+        let mut x = values(seed, n * cols, 3.0);
+        x[0] = 0.0;
+        if n * cols >= 64 {
+            x[32..64].fill(0.0); // an all-zero block
+        }
+        let qa = QuantizedActivations::quantize(&x, n, cols).expect("quantize");
+        for (b, xb) in x.chunks_exact(32).enumerate() {
+            let d = qa.scales[b];
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            prop_assert!((d - amax / 127.0).abs() <= 1e-7 * amax);
+            let mut sum = 0i32;
+            for (i, v) in xb.iter().enumerate() {
+                let q = qa.codes[b * 32 + i];
+                prop_assert!((-127..=127).contains(&q));
+                prop_assert!((v - q as f32 * d).abs() <= d / 2.0 * (1.0 + 1e-5), "block {b} value {v} code {q} d {d}");
+                sum += i32::from(q);
+            }
+            prop_assert_eq!(qa.sums[b], d * sum as f32);
+            if amax > 0.0 {
+                prop_assert!(qa.codes[b * 32..(b + 1) * 32].iter().any(|q| q.unsigned_abs() == 127));
+            }
+        }
+    }
+}
+
+#[test]
+fn q8_bad_inputs_are_errors() {
+    assert!(QuantizedActivations::quantize(&[0.0; 40], 1, 40).is_err());
+    assert!(QuantizedActivations::quantize(&[0.0; 64], 1, 32).is_err());
+    let ty = BlockType::Q4_1;
+    let m = PackedMatrix::new(ty, 2, 64, quantize(ty, &values(1, 2 * 64, 1.0))).expect("m");
+    let mut y = vec![0.0; 2];
+    assert!(m.matmul_q8(&[0.0; 63], 1, &mut y).is_err());
+    if !q8_available() {
+        assert!(m.matmul_q8(&[0.0; 64], 1, &mut y).is_err());
+        assert!(set_activation_precision(ActivationPrecision::Q8).is_err());
+    }
 }

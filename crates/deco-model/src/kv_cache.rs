@@ -15,7 +15,7 @@ pub type SeqId = u64;
 /// The model calls, for each forward over a sequence with `n` new tokens: [`KvCache::append`] once
 /// per layer (in layer order), then [`KvCache::advance`] once. A paged implementation (PagedAttention,
 /// Kwon et al. 2023) maps the same calls onto fixed-size blocks.
-pub trait KvCache {
+pub trait KvCache: Send {
     /// Number of tokens of `seq` already cached (0 for an unknown sequence).
     fn seq_len(&self, seq: SeqId) -> usize;
 

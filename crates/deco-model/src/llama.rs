@@ -461,6 +461,23 @@ impl Llama {
                 self.layers.len()
             )));
         }
+        // Run the whole pass on a worker of the current rayon pool: the parallel kernels
+        // inside (packed matmuls, attention, burn-flex ops) then fork from a worker instead of
+        // handing every call over from an outside thread and blocking it (one sleep/wake pair
+        // per kernel call, ~150 per token, otherwise).
+        if rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_partial_inner(inputs, cache, wanted, num_layers));
+        }
+        self.forward_partial_inner(inputs, cache, wanted, num_layers)
+    }
+
+    fn forward_partial_inner(
+        &self,
+        inputs: &[SeqInput<'_>],
+        cache: &mut dyn KvCache,
+        wanted: LogitsWanted,
+        num_layers: usize,
+    ) -> Result<ForwardOutput> {
         let batch = self.prepare(inputs, &*cache)?;
         let mut x = self.embed_tokens(&batch);
         for li in 0..num_layers {

@@ -142,3 +142,120 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
         }
     }
 }
+
+/// Dot products of `R` packed rows with `T` tokens whose activations were quantized to 8 bits
+/// per 32-value block ([`super::QuantizedActivations`]): integer products with AVX-512 VNNI
+/// (`vpdpbusd`, unsigned weight codes × signed activation codes, 32 products per instruction),
+/// scaled per block in f32, as llama.cpp's `ggml_vec_dot_q4_1_q8_1` / `q4_0_q8_0` /
+/// `q8_0_q8_0`:
+///
+/// - Q4_1: `Σ_b d_b·dx_b·Σ q·qx + m_b·(dx_b·Σ qx)`;
+/// - Q4_0: `Σ_b d_b·dx_b·Σ q·qx − 8·d_b·(dx_b·Σ qx)` (`q` the unsigned nibble);
+/// - Q8_0: `Σ_b d_b·dx_b·Σ |w|·(sign(w)·qx)` (the `vpsignb` trick: exact integer products).
+///
+/// The per-block integer sums stay in 8 lanes (no horizontal sum per block); for every (row,
+/// token) the float operations are the same whatever `R` and `T` are (batch invariance).
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; the `R` rows must hold `nb`
+/// blocks each; `xq` must hold `T` rows of `nb · 32` codes spaced `stride`, `xd` and `xs`
+/// `T · nb` per-block scales and scaled sums (`dx · Σ qx`) spaced `nb`.
+#[inline]
+#[allow(clippy::needless_range_loop)] // (row, token) indices name the register tile
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    stride: usize,
+) -> [[f32; T]; R] {
+    let bb = match TY {
+        0 => BlockType::Q4_0,
+        1 => BlockType::Q4_1,
+        _ => BlockType::Q8_0,
+    }
+    .block_bytes();
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut corr = [[0.0f32; T]; R];
+    let m4 = _mm256_set1_epi8(0x0F);
+    for b in 0..nb {
+        // SAFETY: b < nb, so every row's block and each token's 32 codes / block scalars are
+        // in bounds.
+        unsafe {
+            let mut wq = [_mm256_setzero_si256(); R];
+            let mut dw = [0.0f32; R];
+            let mut cw = [0.0f32; R];
+            for i in 0..R {
+                let blk = rows.add(i * row_bytes + b * bb);
+                dw[i] = f16_at(blk);
+                match TY {
+                    2 => wq[i] = _mm256_loadu_si256(blk.add(2) as *const __m256i),
+                    _ => {
+                        let off = if TY == 0 { 2 } else { 4 };
+                        let v = _mm_loadu_si128(blk.add(off) as *const __m128i);
+                        // Bytes 0..16: low nibbles (weights 0..16); 16..32: high nibbles.
+                        let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+                        wq[i] = _mm256_and_si256(both, m4);
+                        cw[i] = if TY == 0 { -8.0 * dw[i] } else { f16_at(blk.add(2)) };
+                    }
+                }
+            }
+            for k in 0..T {
+                let xv = _mm256_loadu_si256(xq.add(k * stride + b * BLOCK) as *const __m256i);
+                let dx = *xd.add(k * nb + b);
+                let sx = *xs.add(k * nb + b);
+                for i in 0..R {
+                    let s = if TY == 2 {
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i]))
+                    } else {
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[i], xv)
+                    };
+                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[i] * dx), acc[i][k]);
+                    if TY != 2 {
+                        corr[i][k] += cw[i] * sx;
+                    }
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for i in 0..R {
+        for k in 0..T {
+            let v = acc[i][k];
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            out[i][k] = _mm_cvtss_f32(s) + corr[i][k];
+        }
+    }
+    out
+}
+
+/// `R × T` dot products with 8-bit activations (see `q8_tile_t`).
+///
+/// # Safety
+/// As `q8_tile_t`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
+    ty: BlockType,
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    stride: usize,
+) -> [[f32; T]; R] {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match ty {
+            BlockType::Q4_0 => q8_tile_t::<0, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            BlockType::Q4_1 => q8_tile_t::<1, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            BlockType::Q8_0 => q8_tile_t::<2, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+        }
+    }
+}
