@@ -84,6 +84,11 @@ pub struct ModelArgs {
     /// CPU threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Quantize the activations to 8 bits per block of 32 inside the packed-weight (GGUF
+    /// Q4_0/Q4_1/Q8_0) matmuls and use integer dot products, as llama.cpp does: faster, less
+    /// accurate (see docs/performance.md). Needs a CPU with AVX-512 VNNI.
+    #[arg(long)]
+    pub q8_activations: bool,
 }
 
 #[derive(Debug, Args)]

@@ -20,6 +20,9 @@ pub fn device(args: &ModelArgs) -> Result<Device> {
             .build_global()
             .context("configuring the CPU thread pool")?;
     }
+    if args.q8_activations {
+        deco_kernels::quant::set_activation_precision(deco_kernels::quant::ActivationPrecision::Q8).context("--q8-activations")?;
+    }
     Ok(deco_kernels::select_device(&args.device)?)
 }
 
