@@ -1,5 +1,6 @@
 //! `deco quantize`: quantize a model (RTN, GPTQ, AWQ, NF4, SmoothQuant W8A8, LLM.int8()) and
 //! write it as a GPTQ / AWQ GEMM / compressed-tensors directory, a GGUF Q8_0 / Q4_0 / Q4_1 file,
+//! a GGUF F32 file (`gguf-f32`: the source GGUF's quantized tensors dequantized, no method),
 //! or a fake-quantized f32 directory (W8A8 and LLM.int8(): plus `deco_act_quant.json`, the
 //! run-time activation scheme that `deco eval kld` applies). Output is atomic (temporary
 //! sibling, renamed at the end). Prints one `[quantize]` line on stdout with
@@ -15,7 +16,7 @@ use deco_formats::checkpoint::Checkpoint;
 use deco_formats::ggml::GgmlType;
 use deco_formats::quantized::{QuantConfig, QuantMethod};
 use deco_quant::awq::AwqConfig;
-use deco_quant::export::{write_fake_dir, write_gguf_model, write_packed_dir};
+use deco_quant::export::{write_fake_dir, write_gguf_f32, write_gguf_model, write_packed_dir};
 use deco_quant::gptq::GptqConfig;
 use deco_quant::pipeline::{Method, calibration_windows, quantize_model};
 use deco_quant::scheme::{Granularity, Scheme};
@@ -60,6 +61,11 @@ pub enum FormatArg {
     /// GGUF with Q4_1 linears.
     #[value(name = "gguf-q4_1")]
     GgufQ4_1,
+    /// GGUF with every quantized tensor of the GGUF source (linears, and token embedding /
+    /// output when quantized) dequantized to F32, norms copied: the same network, unquantized
+    /// storage. Takes no method (`--bits`, `--group-size` are ignored).
+    #[value(name = "gguf-f32")]
+    GgufF32,
     /// Hugging Face directory with fake-quantized f32 weights.
     Fake,
 }
@@ -171,6 +177,13 @@ fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Res
             let want = if args.format == FormatArg::GgufQ8_0 { 8 } else { 4 };
             ensure!(args.bits == want, "--format {:?} stores {want}-bit codes, got --bits {}", args.format, args.bits);
         }
+        FormatArg::GgufF32 => {
+            ensure!(
+                args.method == MethodArg::Rtn,
+                "--format gguf-f32 dequantizes the source's tensors (no quantization method applies); drop --method {:?}",
+                args.method
+            );
+        }
         FormatArg::Fake => {}
         packed => {
             ensure!(
@@ -266,7 +279,12 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         FormatArg::GgufQ4_1 => Some(GgmlType::Q4_1),
         _ => None,
     };
-    let stats = if let Some(ty) = ggml {
+    let stats = if args.format == FormatArg::GgufF32 {
+        let g = ckpt.gguf().context("--format gguf-f32 needs a GGUF source model (--model FILE.gguf)")?;
+        let s = write_gguf_f32(g, &args.out, &mut |_| {})?;
+        println!("[quantize] method=dequantize-f32 converted_tensors={} bytes={}", s.linears, s.bytes);
+        s
+    } else if let Some(ty) = ggml {
         let g = ckpt.gguf().context("GGUF export needs a GGUF source model (its tokenizer and metadata are copied)")?;
         let pb = progress(layers, "gguf");
         let s = write_gguf_model(g, &cfg, &src, ty, &args.out, &mut |_| pb.inc(1))?;

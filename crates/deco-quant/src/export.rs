@@ -1,13 +1,14 @@
 //! Producing and writing quantized checkpoints: GPTQ (AutoGPTQ layout), AWQ GEMM,
-//! compressed-tensors `pack-quantized`, GGUF Q8_0 / Q4_0 / Q4_1, and "fake" (fake-quantized f32)
-//! Hugging Face directories.
+//! compressed-tensors `pack-quantized`, GGUF Q8_0 / Q4_0 / Q4_1 / F32 (dequantized), and "fake"
+//! (fake-quantized f32) Hugging Face directories.
 //!
 //! [`quantize_linears`] returns the integer form of each decoder linear ([`QuantizedTensor`]) from
 //! the layer-by-layer loop of [`crate::pipeline::quantize_model`]; [`write_packed_dir`] packs them with
 //! [`deco_formats::quantized::encode`] into a directory that
 //! [`deco_formats::checkpoint::Checkpoint::open`] reads back (dequantizing on load), and that
 //! AutoGPTQ / AutoAWQ / compressed-tensors loaders read as their own format. [`write_gguf_model`]
-//! re-quantizes the linears of a GGUF model with ggml's block quantizers.
+//! re-quantizes the linears of a GGUF model with ggml's block quantizers; [`write_gguf_f32`]
+//! dequantizes every quantized tensor of a GGUF model to F32.
 //!
 //! The packing orders are documented in `docs/formats.md`.
 
@@ -290,4 +291,54 @@ pub fn write_gguf_model(
     }
     write_gguf(out, &meta, &to_write)?;
     Ok(ExportStats { bytes: dir_size(out), linears: quantized.len() })
+}
+
+/// llama.cpp's `general.file_type` of a model whose tensors are all F32 (`LLAMA_FTYPE_ALL_F32`).
+pub const FILE_TYPE_ALL_F32: u32 = 0;
+
+/// Writes `src` as an all-F32 GGUF: every block-quantized tensor (decoder linears, and the token
+/// embedding / output head when they are quantized) and every F16 / BF16 tensor is dequantized
+/// with [`ggml::dequantize`] and stored as F32 (ggml type 0) in the same GGUF layout (no
+/// permutation, same names and shapes); F32 tensors (norms) and integer tensors are copied byte
+/// for byte, and so is the metadata (tokenizer, hyper-parameters), with `general.file_type` set
+/// to [`FILE_TYPE_ALL_F32`]. The values are exactly the source's dequantized values, so the
+/// network is the same. Atomic (written to a temporary file and renamed). `progress(i)` is
+/// called after each converted tensor (`i` counts from 0). [`ExportStats::linears`] counts the
+/// converted tensors.
+///
+/// # Errors
+/// A tensor type deco cannot dequantize (e.g. IQ formats) as [`Error::Format`] naming the
+/// tensor; the GGUF writer's errors.
+pub fn write_gguf_f32(src: &GgufFile, out: &Path, progress: &mut dyn FnMut(usize)) -> Result<ExportStats> {
+    let widen = |t: GgmlType| t.is_quantized() || matches!(t, GgmlType::F16 | GgmlType::BF16);
+    let mut converted: HashMap<String, Vec<u8>> = HashMap::new();
+    for info in src.tensors.iter().filter(|t| widen(t.ggml_type)) {
+        let (_, values) = src.dequantize(&info.name)?;
+        let mut bytes = Vec::with_capacity(values.len() * 4);
+        for v in &values {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        progress(converted.len());
+        converted.insert(info.name.clone(), bytes);
+    }
+    let mut to_write = Vec::with_capacity(src.tensors.len());
+    for info in &src.tensors {
+        let (ggml_type, data) = match converted.get(&info.name) {
+            Some(bytes) => (GgmlType::F32, &bytes[..]),
+            None => (info.ggml_type, src.tensor_bytes(&info.name)?.1),
+        };
+        to_write.push(TensorToWrite { name: info.name.clone(), shape: info.shape(), ggml_type, data });
+    }
+    let mut meta: Vec<(String, MetadataValue)> = Vec::with_capacity(src.metadata_order.len() + 1);
+    for k in &src.metadata_order {
+        if let Some(v) = src.metadata.get(k) {
+            let v = if k == "general.file_type" { MetadataValue::U32(FILE_TYPE_ALL_F32) } else { v.clone() };
+            meta.push((k.clone(), v));
+        }
+    }
+    if !src.metadata.contains_key("general.file_type") {
+        meta.push(("general.file_type".into(), MetadataValue::U32(FILE_TYPE_ALL_F32)));
+    }
+    write_gguf(out, &meta, &to_write)?;
+    Ok(ExportStats { bytes: dir_size(out), linears: converted.len() })
 }

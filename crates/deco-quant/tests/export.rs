@@ -327,3 +327,81 @@ fn ragged_rtn_equals_rtn_when_groups_divide() {
         assert_eq!(&q.codes[r * 64 + 60..r * 64 + 64], &tail.codes[r * 4..r * 4 + 4]);
     }
 }
+
+/// A small GGUF source with Q8_0 / Q4_1 / Q4_0 / F16 / F32 tensors (as a quantized llama GGUF).
+fn write_source_gguf(path: &std::path::Path, extra: Option<deco_formats::gguf::TensorToWrite<'_>>) {
+    use deco_formats::ggml::{GgmlType, quantize_q4_0, quantize_q4_1, quantize_q8_0};
+    use deco_formats::gguf::{MetadataValue, TensorToWrite, write_gguf};
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let embd = quantize_q8_0(&randn(&mut rng, VOCAB * HIDDEN)).unwrap();
+    let q = quantize_q4_1(&randn(&mut rng, HIDDEN * HIDDEN)).unwrap();
+    let down = quantize_q4_0(&randn(&mut rng, HIDDEN * INTER)).unwrap();
+    // F16: 1.0, -2.0, 0.5, 65504 (max), repeated.
+    let f16: Vec<u8> = (0..HIDDEN).flat_map(|i| [0x3C00u16, 0xC000, 0x3800, 0x7BFF][i % 4].to_le_bytes()).collect();
+    let norm: Vec<u8> = randn(&mut rng, HIDDEN).iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut tensors = vec![
+        TensorToWrite { name: "token_embd.weight".into(), shape: vec![VOCAB, HIDDEN], ggml_type: GgmlType::Q8_0, data: &embd },
+        TensorToWrite { name: "blk.0.attn_norm.weight".into(), shape: vec![HIDDEN], ggml_type: GgmlType::F32, data: &norm },
+        TensorToWrite { name: "blk.0.attn_q.weight".into(), shape: vec![HIDDEN, HIDDEN], ggml_type: GgmlType::Q4_1, data: &q },
+        TensorToWrite { name: "blk.0.ffn_down.weight".into(), shape: vec![HIDDEN, INTER], ggml_type: GgmlType::Q4_0, data: &down },
+        TensorToWrite { name: "output_norm.weight".into(), shape: vec![HIDDEN], ggml_type: GgmlType::F16, data: &f16 },
+    ];
+    tensors.extend(extra);
+    let meta = vec![
+        ("general.architecture".to_string(), MetadataValue::String("llama".into())),
+        ("general.file_type".to_string(), MetadataValue::U32(3)),
+        ("llama.block_count".to_string(), MetadataValue::U32(1)),
+        ("tokenizer.ggml.tokens".to_string(), MetadataValue::Array(vec![MetadataValue::String("a".into()), MetadataValue::String("b".into())])),
+    ];
+    write_gguf(path, &meta, &tensors).unwrap();
+}
+
+#[test]
+fn gguf_f32_export_equals_the_dequantized_source() {
+    use deco_formats::ggml::GgmlType;
+    use deco_formats::gguf::{GgufFile, MetadataValue};
+    let dir = tmp("gguf-f32");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src_path, out) = (dir.join("src.gguf"), dir.join("out.f32.gguf"));
+    write_source_gguf(&src_path, None);
+    let src = GgufFile::open(&src_path).unwrap();
+    let mut calls = 0;
+    let stats = deco_quant::export::write_gguf_f32(&src, &out, &mut |_| calls += 1).unwrap();
+    assert_eq!((stats.linears, calls), (4, 4), "Q8_0, Q4_1, Q4_0 and F16 tensors converted");
+    assert_eq!(stats.bytes, std::fs::metadata(&out).unwrap().len());
+    let got = GgufFile::open(&out).unwrap();
+    // Same tensors in the same order and shapes, all F32, values bit for bit the dequantized source.
+    assert_eq!(got.tensors.iter().map(|t| (&t.name, t.shape())).collect::<Vec<_>>(), src.tensors.iter().map(|t| (&t.name, t.shape())).collect::<Vec<_>>());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for t in &src.tensors {
+        let g = got.tensor_info(&t.name).unwrap();
+        assert_eq!(g.ggml_type, GgmlType::F32, "{}", t.name);
+        assert_eq!(bits(&got.dequantize(&t.name).unwrap().1), bits(&src.dequantize(&t.name).unwrap().1), "{}", t.name);
+    }
+    assert_eq!(&got.dequantize("output_norm.weight").unwrap().1[..4], &[1.0, -2.0, 0.5, 65504.0]);
+    // The F32 norm is copied byte for byte.
+    assert_eq!(got.tensor_bytes("blk.0.attn_norm.weight").unwrap().1, src.tensor_bytes("blk.0.attn_norm.weight").unwrap().1);
+    // Metadata copied in order; file type ALL_F32.
+    assert_eq!(got.metadata_order, src.metadata_order);
+    assert_eq!(got.get("general.file_type"), Some(&MetadataValue::U32(deco_quant::export::FILE_TYPE_ALL_F32)));
+    for k in src.metadata_order.iter().filter(|k| *k != "general.file_type") {
+        assert_eq!(got.get(k), src.get(k), "{k}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn gguf_f32_export_of_an_undequantizable_tensor_is_an_error_and_writes_nothing() {
+    use deco_formats::ggml::GgmlType;
+    use deco_formats::gguf::{GgufFile, TensorToWrite};
+    let dir = tmp("gguf-f32-bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src_path, out) = (dir.join("src.gguf"), dir.join("out.gguf"));
+    let q8_1 = vec![0u8; GgmlType::Q8_1.bytes_for(64).unwrap()];
+    write_source_gguf(&src_path, Some(TensorToWrite { name: "blk.0.odd.weight".into(), shape: vec![2, 32], ggml_type: GgmlType::Q8_1, data: &q8_1 }));
+    let src = GgufFile::open(&src_path).unwrap();
+    let e = deco_quant::export::write_gguf_f32(&src, &out, &mut |_| {}).unwrap_err().to_string();
+    assert!(e.contains("blk.0.odd.weight"), "{e}");
+    assert!(!out.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
