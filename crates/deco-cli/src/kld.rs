@@ -5,6 +5,11 @@
 //! or `--method int8`) is run layer by layer through `deco_model::calibrate::Calibrator` with
 //! that activation quantization applied to the input of every linear layer (per-token int8,
 //! LLM.int8() outlier columns in float); `ppl_model` is then that model's perplexity.
+//!
+//! Diagnostics printed as well: the mean entropy of both distributions (nats), the model's
+//! perplexity with its logits divided by a few temperatures (an over-confident model scores
+//! better at T > 1), and the mean NLL gap `log p_ref(y) − log p_model(y)` split by whether the
+//! reference's top-1 token is the target `y` (where a quantized model loses its perplexity).
 
 use std::path::PathBuf;
 
@@ -112,6 +117,12 @@ pub fn run(args: &KldArgs) -> Result<()> {
         bail!("{}: {} tokens is less than one window of {}", args.text.display(), ids.len(), args.seqlen);
     }
     let (mut kl_sum, mut nll_ref, mut nll_model, mut agree, mut n) = (0.0f64, 0.0f64, 0.0f64, 0usize, 0usize);
+    // Diagnostics: mean entropies; the model's NLL at other temperatures (is it over- or
+    // under-confident relative to the reference?); the NLL gap split by whether the
+    // reference's top-1 token is the target.
+    let (mut ent_ref, mut ent_model) = (0.0f64, 0.0f64);
+    let mut nll_t = [0.0f64; TEMPERATURES.len()];
+    let (mut gap_right, mut n_right, mut gap_wrong) = (0.0f64, 0usize, 0.0f64);
     for w in 0..windows {
         let window = &ids[w * args.seqlen..(w + 1) * args.seqlen];
         let logits = |m: &Llama| -> Result<Vec<Vec<f32>>> {
@@ -135,6 +146,19 @@ pub fn run(args: &KldArgs) -> Result<()> {
             nll_model -= pb[target as usize];
             agree += usize::from(argmax(&pa) == argmax(&pb));
             n += 1;
+            ent_ref -= pa.iter().map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { l.exp() * l }).sum::<f64>();
+            ent_model -= pb.iter().map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { l.exp() * l }).sum::<f64>();
+            for (acc, &t) in nll_t.iter_mut().zip(&TEMPERATURES) {
+                let scaled: Vec<f32> = b.iter().map(|&x| (x as f64 / t) as f32).collect();
+                *acc -= log_softmax(&scaled)[target as usize];
+            }
+            let gap = pa[target as usize] - pb[target as usize];
+            if argmax(&pa) == target as usize {
+                gap_right += gap;
+                n_right += 1;
+            } else {
+                gap_wrong += gap;
+            }
         }
         eprintln!("window {}/{windows}: mean KL so far {:.5}", w + 1, kl_sum / n as f64);
     }
@@ -143,5 +167,17 @@ pub fn run(args: &KldArgs) -> Result<()> {
     println!("ppl_model={:.4}", (nll_model / n as f64).exp());
     println!("top1_agreement={:.4}", agree as f64 / n as f64);
     println!("kld={:.6}", kl_sum / n as f64);
+    println!("entropy_reference={:.4} entropy_model={:.4}", ent_ref / n as f64, ent_model / n as f64);
+    let temps: Vec<String> = TEMPERATURES.iter().zip(&nll_t).map(|(t, v)| format!("{t}:{:.4}", (v / n as f64).exp())).collect();
+    println!("ppl_model_at_temperature={}", temps.join(","));
+    let n_wrong = n - n_right;
+    println!(
+        "nll_gap_reference_right={:.4} (n={n_right}) nll_gap_reference_wrong={:.4} (n={n_wrong})",
+        gap_right / n_right.max(1) as f64,
+        gap_wrong / n_wrong.max(1) as f64
+    );
     Ok(())
 }
+
+/// Temperatures at which the model's perplexity is also reported (calibration diagnostic).
+const TEMPERATURES: [f64; 5] = [0.8, 0.9, 1.0, 1.1, 1.25];
