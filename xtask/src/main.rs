@@ -275,6 +275,9 @@ enum BenchCmd {
         /// Print only; do not rewrite docs/serving.md.
         #[arg(long)]
         no_docs: bool,
+        /// Use this serve_bench binary instead of building the deco-serve example (release).
+        #[arg(long, value_name = "PATH")]
+        bench_bin: Option<PathBuf>,
     },
 }
 
@@ -442,12 +445,13 @@ fn real_main() -> Result<()> {
             only,
             deco_bin,
         }),
-        Cmd::Bench { which: BenchCmd::Serve { cache, repeats, quick, no_docs } } => serve::run(&serve::Options {
+        Cmd::Bench { which: BenchCmd::Serve { cache, repeats, quick, no_docs, bench_bin } } => serve::run(&serve::Options {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
             no_mirror: cache.no_mirror,
             repeats,
             quick,
             no_docs,
+            bench_bin,
         }),
     }
 }

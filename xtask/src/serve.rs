@@ -29,6 +29,8 @@ pub struct Options {
     pub quick: bool,
     /// Do not rewrite docs/serving.md and the plot.
     pub no_docs: bool,
+    /// Use this serve_bench binary instead of building the example.
+    pub bench_bin: Option<PathBuf>,
 }
 
 /// One row of serve_bench's table.
@@ -144,9 +146,14 @@ pub fn run(o: &Options) -> Result<()> {
     }
     fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![What::Model] })?;
     let model = o.cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    util::run(util::cargo().args(["build", "--release", "-p", "deco-serve", "--example", "serve_bench"]))
-        .context("cannot build the serve_bench example of deco-serve")?;
-    let bin = bench::target_dir()?.join("release/examples/serve_bench");
+    let bin = match &o.bench_bin {
+        Some(b) => b.clone(),
+        None => {
+            util::run(util::cargo().args(["build", "--release", "-p", "deco-serve", "--example", "serve_bench"]))
+                .context("cannot build the serve_bench example of deco-serve")?;
+            bench::target_dir()?.join("release/examples/serve_bench")
+        }
+    };
     if !bin.is_file() {
         bail!("{} not found after building it", bin.display());
     }
