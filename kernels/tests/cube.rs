@@ -408,3 +408,120 @@ fn flash_attention_rejects_bad_shapes() {
     assert!(cube::flash_attention(q(), kv(5, 2, 8), kv(5, 2, 4), 2).is_err(), "k/v shapes differ");
     assert!(cube::flash_attention(q(), kv(5, 2, 4), kv(5, 2, 4), 2).is_err(), "head_dim differs");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Paged decode attention
+
+#[allow(clippy::too_many_arguments)]
+fn check_paged(seq_lens: &[usize], block_size: usize, heads: usize, kvh: usize, d: usize, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let b = seq_lens.len();
+    let need: usize = seq_lens.iter().map(|l| l.div_ceil(block_size)).sum();
+    let num_blocks = need + 3;
+    // Each sequence gets distinct blocks in a shuffled order.
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.random_range(0..=i));
+    }
+    let mut tables = Vec::new();
+    let mut next = 0;
+    for &len in seq_lens {
+        let n = len.div_ceil(block_size);
+        tables.push(ids[next..next + n].to_vec());
+        next += n;
+    }
+    let row = kvh * d;
+    let k = uniform(&mut rng, num_blocks * block_size * row, 1.0);
+    let v = uniform(&mut rng, num_blocks * block_size * row, 1.0);
+    let q = uniform(&mut rng, b * heads * d, 1.0);
+    // f64 reference from the definition.
+    let g = heads / kvh;
+    let mut expected = vec![0.0f64; b * heads * d];
+    for (s, &len) in seq_lens.iter().enumerate() {
+        let off = |p: usize| (tables[s][p / block_size] as usize * block_size + p % block_size) * row;
+        for h in 0..heads {
+            let j = h / g;
+            let qh = &q[(s * heads + h) * d..][..d];
+            let sc: Vec<f64> = (0..len)
+                .map(|p| qh.iter().zip(&k[off(p) + j * d..][..d]).map(|(&a, &c)| a as f64 * c as f64).sum::<f64>() / (d as f64).sqrt())
+                .collect();
+            let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            for (p, wp) in w.iter().enumerate() {
+                for i in 0..d {
+                    expected[(s * heads + h) * d + i] += wp / sum * v[off(p) + j * d + i] as f64;
+                }
+            }
+        }
+    }
+    let seqs: Vec<cube::PagedSeq<'_>> =
+        seq_lens.iter().zip(&tables).map(|(&len, t)| cube::PagedSeq { block_table: t, len }).collect();
+    let what = format!("lens {seq_lens:?} block {block_size} heads {heads}/{kvh} d {d}");
+    let cache_shape = [num_blocks, block_size, kvh, d];
+    let mut outs = Vec::new();
+    for (name, dev) in devices() {
+        let out = to_vec(
+            cube::paged_decode_attention(
+                Tensor::<3>::from_data(TensorData::new(q.clone(), [b, heads, d]), &dev),
+                Tensor::<4>::from_data(TensorData::new(k.clone(), cache_shape), &dev),
+                Tensor::<4>::from_data(TensorData::new(v.clone(), cache_shape), &dev),
+                &seqs,
+            )
+            .expect("valid shapes"),
+        );
+        assert_close(&format!("paged {name} {what}"), &out, &expected, 2e-5, 2e-5);
+        outs.push(out);
+    }
+    // The CPU kernel of attention.rs, called directly.
+    let seq_kv: Vec<deco_kernels::attention::SeqKv<'_>> = seq_lens
+        .iter()
+        .zip(&tables)
+        .map(|(&len, t)| deco_kernels::attention::SeqKv { k: &k, v: &v, block_table: t, block_size, len })
+        .collect();
+    let mut cpu = vec![0.0f32; b * heads * d];
+    deco_kernels::attention::paged_decode_attention(
+        &q,
+        deco_kernels::attention::AttnShape { n_heads: heads, kv_heads: kvh, head_dim: d },
+        &seq_kv,
+        &mut cpu,
+    )
+    .expect("cpu attention");
+    let cpu: Vec<f64> = cpu.iter().map(|&x| x as f64).collect();
+    assert_close(&format!("paged wgpu vs attention::paged_decode_attention {what}"), &outs[0], &cpu, 2e-5, 2e-5);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10, ..ProptestConfig::default() })]
+    #[test]
+    fn paged_decode_matches_reference(
+        seq_lens in prop::collection::vec(1usize..=150, 1..=5),
+        block_size in prop::sample::select(vec![1usize, 4, 16]),
+        (heads, kvh) in prop::sample::select(vec![(9usize, 3usize), (4, 1), (2, 2)]),
+        seed in any::<u64>(),
+    ) {
+        check_paged(&seq_lens, block_size, heads, kvh, 64, seed);
+    }
+}
+
+#[test]
+fn paged_decode_other_head_dims() {
+    check_paged(&[1, 17, 40], 8, 4, 2, 80, 1);
+    check_paged(&[33], 32, 2, 1, 128, 2);
+}
+
+#[test]
+fn paged_decode_rejects_bad_inputs() {
+    let dev = wgpu();
+    let q = || Tensor::<3>::zeros([1, 4, 8], &dev);
+    let cache = || Tensor::<4>::zeros([3, 4, 2, 8], &dev);
+    let seq = |t: &'static [u32], len| [cube::PagedSeq { block_table: t, len }];
+    static TWO: [u32; 2] = [0, 2];
+    static ONE: [u32; 1] = [0];
+    static BAD: [u32; 2] = [0, 3];
+    assert!(cube::paged_decode_attention(q(), cache(), cache(), &seq(&TWO, 8)).is_ok());
+    assert!(cube::paged_decode_attention(q(), cache(), cache(), &seq(&ONE, 8)).is_err(), "table too short");
+    assert!(cube::paged_decode_attention(q(), cache(), cache(), &seq(&BAD, 8)).is_err(), "block out of range");
+    assert!(cube::paged_decode_attention(q(), cache(), cache(), &seq(&TWO, 0)).is_err(), "empty sequence");
+    assert!(cube::paged_decode_attention(q(), cache(), cache(), &[]).is_err(), "q rows vs sequences");
+}

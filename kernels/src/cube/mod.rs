@@ -14,6 +14,7 @@
 //! | [`CubeRope::apply`] | one unit per element, rotate-half | [`crate::ops::RopeTable::apply`] |
 //! | [`CubePackedMatrix::matmul`] | dequantize-in-registers dot products, 32 lanes per row | [`PackedMatrix::matmul`] |
 //! | [`flash_attention`] | FlashAttention-2 tiles, online softmax, causal tile skipping | [`crate::ops::causal_gqa_attention`] |
+//! | [`paged_decode_attention`] | one cube per (sequence, kv head), K/V through the block table | [`crate::attention::paged_decode_attention`] |
 //!
 //! All kernels take and return f32 (activations and accumulation in f32).
 //!
@@ -32,6 +33,8 @@
 //! # Sources
 //! - Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
 //!   Partitioning", Algorithm 1 (tiled forward pass with online softmax).
+//! - Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
+//!   PagedAttention" (vLLM), §4.1: keys/values in fixed-size blocks addressed by a block table.
 //! - ggml-common.h (llama.cpp): `block_q4_0`, `block_q4_1`, `block_q8_0` layouts; ggml-quants.c
 //!   `dequantize_row_*` for the arithmetic.
 //! - Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoFormer, rotary embedding); Ainslie et al.
@@ -45,6 +48,7 @@ use crate::error::{Error, Result};
 use crate::quant::{BlockType, PackedMatrix};
 
 mod flash;
+mod paged;
 mod quant;
 mod rms_norm;
 mod rope;
@@ -81,6 +85,17 @@ pub trait DecoKernelOps: Backend {
     /// Causal GQA attention of a prefill, see [`flash_attention`]. `q: [tokens, heads, head_dim]`,
     /// `k`, `v`: `[past + tokens, kv_heads, head_dim]`; output `[tokens, heads · head_dim]`.
     fn flash_attention(q: FloatTensor<Self>, k: FloatTensor<Self>, v: FloatTensor<Self>, past: usize) -> FloatTensor<Self>;
+
+    /// Paged decode attention, see [`paged_decode_attention`]. `q: [seqs, heads, head_dim]`,
+    /// caches `[num_blocks, block_size, kv_heads, head_dim]`, `tables: [seqs, max_blocks]` and
+    /// `lens: [seqs]` (u32); output `[seqs, heads, head_dim]`.
+    fn paged_decode_attention(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        tables: IntTensor<Self>,
+        lens: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
 }
 
 impl DecoKernelOps for Cube {
@@ -118,6 +133,30 @@ impl DecoKernelOps for Cube {
             crate::ops::causal_gqa_attention(q, k, v, past)
                 .try_into_primitive::<Cube>()
                 .expect("a composition of Cube tensors stays on Cube")
+        })
+    }
+
+    fn paged_decode_attention(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        tables: IntTensor<Self>,
+        lens: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let block_size = k_cache.meta.shape()[1];
+        let copies = (q.clone(), k_cache.clone(), v_cache.clone(), tables.clone(), lens.clone());
+        paged::launch(q, k_cache, v_cache, tables, lens, block_size).unwrap_or_else(|| {
+            // The group does not fit one cube: the CPU kernel on host copies.
+            let (q, k, v, t, l) = copies;
+            paged_cpu(
+                Tensor::from_primitive::<Cube>(q),
+                Tensor::from_primitive::<Cube>(k),
+                Tensor::from_primitive::<Cube>(v),
+                Tensor::from_primitive::<Cube>(t),
+                Tensor::from_primitive::<Cube>(l),
+            )
+            .try_into_primitive::<Cube>()
+            .expect("uploaded to the Cube device")
         })
     }
 }
@@ -173,6 +212,51 @@ impl DecoKernelOps for Flex {
         let v = Tensor::<3>::from_primitive::<Flex>(v);
         into_flex(crate::ops::causal_gqa_attention(q, k, v, past))
     }
+
+    /// Copies the tensors to host vectors and runs [`crate::attention::paged_decode_attention`].
+    fn paged_decode_attention(
+        q: FloatTensor<Self>,
+        k_cache: FloatTensor<Self>,
+        v_cache: FloatTensor<Self>,
+        tables: IntTensor<Self>,
+        lens: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        into_flex(paged_cpu(
+            Tensor::from_primitive::<Flex>(q),
+            Tensor::from_primitive::<Flex>(k_cache),
+            Tensor::from_primitive::<Flex>(v_cache),
+            Tensor::from_primitive::<Flex>(tables),
+            Tensor::from_primitive::<Flex>(lens),
+        ))
+    }
+}
+
+/// [`crate::attention::paged_decode_attention`] on host copies of checked tensors; the result
+/// is uploaded to the device of `q`.
+fn paged_cpu(q: Tensor<3>, k: Tensor<4>, v: Tensor<4>, tables: Tensor<2, Int>, lens: Tensor<1, Int>) -> Tensor<3> {
+    use crate::attention::{AttnShape, SeqKv};
+    let device = q.device();
+    let [seqs, n_heads, head_dim] = q.dims();
+    let [_, block_size, kv_heads, _] = k.dims();
+    let [_, max_blocks] = tables.dims();
+    let host = |t: Tensor<4>| t.into_data().try_into_vec::<f32>().expect("f32 checked by paged_decode_attention");
+    let (k, v) = (host(k), host(v));
+    let qs = q.into_data().try_into_vec::<f32>().expect("f32 checked by paged_decode_attention");
+    let tables = tables.into_data().try_into_vec::<u32>().expect("tables uploaded as u32");
+    let lens = lens.into_data().try_into_vec::<u32>().expect("lens uploaded as u32");
+    let seq_kv: Vec<SeqKv<'_>> = (0..seqs)
+        .map(|i| SeqKv {
+            k: &k,
+            v: &v,
+            block_table: &tables[i * max_blocks..(i + 1) * max_blocks],
+            block_size,
+            len: lens[i] as usize,
+        })
+        .collect();
+    let mut out = vec![0.0f32; seqs * n_heads * head_dim];
+    crate::attention::paged_decode_attention(&qs, AttnShape { n_heads, kv_heads, head_dim }, &seq_kv, &mut out)
+        .expect("checked by paged_decode_attention");
+    Tensor::from_data(TensorData::new(out, [seqs, n_heads, head_dim]), &device)
 }
 
 /// A Flex float tensor back to its primitive (the reference compositions keep the backend).
@@ -463,5 +547,88 @@ pub fn flash_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize) ->
     check_device("attention v", &q.device(), &v.device())?;
     let out =
         <burn::backend::Dispatch as DecoKernelOps>::flash_attention(q.into_dispatch(), k.into_dispatch(), v.into_dispatch(), past);
+    Ok(Tensor::from_dispatch(out))
+}
+
+/// One sequence of a [`paged_decode_attention`] call: its block table and length.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedSeq<'a> {
+    /// Block of each run of `block_size` positions; at least `len.div_ceil(block_size)` entries.
+    pub block_table: &'a [u32],
+    /// Positions to attend to, the new token included (≥ 1).
+    pub len: usize,
+}
+
+/// Decode attention for a batch of sequences, one new query token each, reading keys and values
+/// through each sequence's block table (Kwon et al. 2023, "PagedAttention", §4.1), with the
+/// semantics of [`crate::attention::paged_decode_attention`]: for sequence `s`, query head `h`
+/// and kv head `j = h / (heads / kv_heads)`,
+/// `out[s, h] = Σ_p softmax_p(q[s, h] · k[p, j] / sqrt(head_dim)) · v[p, j]`, `p = 0 .. len`,
+/// where position `p` is row `p % block_size` of block `block_table[p / block_size]`.
+///
+/// On a CubeCL device one cube handles one (sequence, kv head) with its `heads / kv_heads`
+/// query heads as the rows of a FlashAttention-2 tile (online softmax over key tiles of 16
+/// positions in shared memory), so each key/value row is read once per group. The block tables
+/// and lengths are uploaded as u32 per call. On Flex (or when a group of more than 32 heads
+/// does not fit a cube) the CPU kernel runs on host copies.
+///
+/// # Shapes
+/// - `q`: `[seqs.len(), heads, head_dim]`, f32 (RoPE applied)
+/// - `k_cache`, `v_cache`: `[num_blocks, block_size, kv_heads, head_dim]`, f32, same device
+/// - output: `[seqs.len(), heads, head_dim]`
+///
+/// # Errors
+/// [`Error::Incompatible`] for a zero dimension, `kv_heads` not dividing `heads`, different
+/// `head_dim`s or cache shapes, a sequence with `len == 0`, a block table too short for `len`,
+/// a block index `≥ num_blocks`, a dtype other than f32 or tensors on different devices;
+/// [`Error::Length`] if `q` does not have one row per sequence.
+pub fn paged_decode_attention(q: Tensor<3>, k_cache: Tensor<4>, v_cache: Tensor<4>, seqs: &[PagedSeq<'_>]) -> Result<Tensor<3>> {
+    let [b, heads, d] = q.dims();
+    let [num_blocks, block_size, kv_heads, dk] = k_cache.dims();
+    if b != seqs.len() {
+        return Err(Error::Length { what: "paged attention q rows", expected: seqs.len(), actual: b });
+    }
+    if v_cache.dims() != k_cache.dims() {
+        return Err(Error::Incompatible(format!("paged attention: k {:?} and v {:?} caches differ", k_cache.dims(), v_cache.dims())));
+    }
+    if heads == 0 || kv_heads == 0 || d == 0 || block_size == 0 || !heads.is_multiple_of(kv_heads) || dk != d {
+        return Err(Error::Incompatible(format!(
+            "paged attention: q heads {heads} x {d}, cache blocks of {block_size} x {kv_heads} x {dk} (need non-zero, kv_heads | heads, equal head_dim)"
+        )));
+    }
+    let max_blocks = seqs.iter().map(|s| s.len.div_ceil(block_size)).max().unwrap_or(0).max(1);
+    let mut tables = vec![0u32; seqs.len() * max_blocks];
+    let mut lens = Vec::with_capacity(seqs.len());
+    for (i, s) in seqs.iter().enumerate() {
+        let need = s.len.div_ceil(block_size);
+        if s.len == 0 || s.block_table.len() < need || s.len > u32::MAX as usize {
+            return Err(Error::Incompatible(format!(
+                "paged attention: sequence {i} of len {} with a block table of {} entries (block size {block_size})",
+                s.len,
+                s.block_table.len()
+            )));
+        }
+        if let Some(&bad) = s.block_table[..need].iter().find(|&&blk| blk as usize >= num_blocks) {
+            return Err(Error::Incompatible(format!("paged attention: sequence {i} names block {bad} of {num_blocks}")));
+        }
+        tables[i * max_blocks..i * max_blocks + need].copy_from_slice(&s.block_table[..need]);
+        lens.push(s.len as u32);
+    }
+    for (what, x) in [("paged attention k", &k_cache), ("paged attention v", &v_cache)] {
+        check_f32(what, x)?;
+    }
+    check_f32("paged attention q", &q)?;
+    let device = q.device();
+    check_device("paged attention k", &device, &k_cache.device())?;
+    check_device("paged attention v", &device, &v_cache.device())?;
+    let tables = Tensor::<2, Int>::from_data(TensorData::new(tables, [seqs.len(), max_blocks]), (&device, DType::U32));
+    let lens = Tensor::<1, Int>::from_data(TensorData::new(lens, [seqs.len()]), (&device, DType::U32));
+    let out = <burn::backend::Dispatch as DecoKernelOps>::paged_decode_attention(
+        q.into_dispatch(),
+        k_cache.into_dispatch(),
+        v_cache.into_dispatch(),
+        tables.into_dispatch(),
+        lens.into_dispatch(),
+    );
     Ok(Tensor::from_dispatch(out))
 }
