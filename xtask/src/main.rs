@@ -208,21 +208,26 @@ enum BenchCmd {
         #[arg(long, value_name = "PATH")]
         deco_bin: Option<PathBuf>,
     },
-    /// deco vs llama.cpp: prefill and decode tok/s on SmolLM2-135M Q4_1.
+    /// deco vs llama.cpp: prefill and decode tok/s on SmolLM2-135M as Q4_1, Q8_0 and F32 GGUF
+    /// (the same network; Q8_0 / F32 made from the Q4_1 file by `deco quantize`), ratios vs
+    /// issue 5's goals, the read-bandwidth decode limit; updates docs/performance.md.
     Generate {
         #[command(flatten)]
         cache: CacheArgs,
+        /// Weight types, comma-separated: q4_1, q8_0, f32.
+        #[arg(long, default_value = "q4_1,q8_0,f32")]
+        types: String,
         /// Threads for both engines.
         #[arg(long, default_value_t = 2)]
         threads: usize,
-        /// Measured runs per engine (interleaved).
+        /// Measured runs per engine and type (interleaved).
         #[arg(long, default_value_t = 3)]
         repeats: usize,
         /// Prompt length in tokens (llama.cpp's tokenizer).
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, default_value_t = 512)]
         prompt_tokens: usize,
         /// Generated tokens (EOS ignored).
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, default_value_t = 128)]
         decode_tokens: usize,
         /// Run llama.cpp only.
         #[arg(long)]
@@ -230,6 +235,9 @@ enum BenchCmd {
         /// Run deco only.
         #[arg(long)]
         skip_llama: bool,
+        /// Do not update docs/performance.md and docs/performance/generate.svg.
+        #[arg(long)]
+        no_docs: bool,
         /// Use this deco binary instead of building deco-cli (release).
         #[arg(long, value_name = "PATH")]
         deco_bin: Option<PathBuf>,
@@ -403,23 +411,27 @@ fn real_main() -> Result<()> {
             which:
                 BenchCmd::Generate {
                     cache,
+                    types,
                     threads,
                     repeats,
                     prompt_tokens,
                     decode_tokens,
                     skip_deco,
                     skip_llama,
+                    no_docs,
                     deco_bin,
                 },
         } => bench::generate(&bench::GenerateOptions {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
             no_mirror: cache.no_mirror,
+            types: bench::parse_types(&types)?,
             threads,
             repeats,
             prompt_tokens,
             decode_tokens,
             skip_deco,
             skip_llama,
+            no_docs,
             deco_bin,
         }),
         Cmd::Bench {
