@@ -563,6 +563,8 @@ impl GgufFile {
     }
 
     /// Dequantizes a tensor to f32 in row-major order; returns it with its row-major shape.
+    /// Afterwards the tensor's pages of the memory map are released
+    /// ([`GgufFile::release_tensor_pages`]).
     ///
     /// # Errors
     /// [`Error::TensorNotFound`], or [`Error::Ggml`] for a type deco cannot dequantize.
@@ -573,7 +575,26 @@ impl GgufFile {
             name: name.to_string(),
             source,
         })?;
+        self.release_tensor_pages(name);
         Ok((t.shape(), values))
+    }
+
+    /// Drops the resident pages of a tensor's bytes from this process (`madvise(MADV_DONTNEED)`
+    /// on the read-only file mapping, rounded out to whole pages): once a loader has copied or
+    /// converted a tensor, its mapped pages no longer count towards the resident set, so loading
+    /// does not hold the file twice. The bytes stay readable: a later access faults them back in
+    /// from the file. Best effort: errors (and unknown names) are ignored.
+    pub fn release_tensor_pages(&self, name: &str) {
+        let Some(t) = self.tensor_info(name) else { return };
+        let page = 4096usize;
+        let start = (self.data_offset + t.offset) as usize;
+        let (lo, hi) = (start / page * page, (start + t.n_bytes).div_ceil(page) * page);
+        let hi = hi.min(self.mmap.len());
+        if hi > lo {
+            // SAFETY: the map is a private read-only file mapping that is never written, so
+            // discarding its pages cannot lose data; later reads re-fault them from the file.
+            let _ = unsafe { self.mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo, hi - lo) };
+        }
     }
 
     /// A human-readable report: metadata (one key per line, long values abbreviated) and the

@@ -161,6 +161,7 @@ fn gguf_packed(ckpt: &Checkpoint, hf_name: &str) -> Result<Option<PackedMatrix>>
     let (_, bytes) = g.tensor_bytes(&gname)?;
     let m = PackedMatrix::new(ty, shape[0], shape[1], bytes.to_vec())
         .map_err(|e| Error::InvalidInput(format!("weight `{hf_name}`: {e}")))?;
+    g.release_tensor_pages(&gname);
     let heads = if cfg.model_type != Architecture::Llama {
         None
     } else if hf_name.ends_with("q_proj.weight") {
