@@ -666,6 +666,12 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     let loadavg = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     eprintln!("load average before the benchmark: {}", loadavg.trim());
     warn_if_busy(&loadavg);
+    // The load average lags by minutes; the CPU time other processes use right now is what
+    // disturbs the engines.
+    let cpu_busy = cpu_busy_fraction(std::time::Duration::from_secs(3));
+    if let Some(b) = cpu_busy {
+        eprintln!("CPU busy (all processes) over 3 s before the benchmark: {:.0} %", 100.0 * b);
+    }
     let mut bw = Bandwidth::default();
     measure_bandwidth(&probe, o.threads, &mut bw)?;
 
@@ -724,7 +730,7 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         commit: command_stdout("git", &["rev-parse", "--short", "HEAD"]),
         loadavg_before: loadavg.trim().to_owned(),
         loadavg_after: loadavg_after.trim().to_owned(),
-        busy: load1(&loadavg) > 0.5,
+        busy: cpu_busy.map_or(load1(&loadavg) > 0.5, |b| b > BUSY_CPU_FRACTION),
     };
     let md = render_markdown(o, &results, &bw, &meta);
     println!("\n{md}");
@@ -845,6 +851,32 @@ pub struct RunMeta {
     pub loadavg_after: String,
     /// Whether other work ran (1-minute load > 0.5 before the run).
     pub busy: bool,
+}
+
+/// Above this fraction of all CPU time used by other processes just before the run, the report
+/// is labelled a smoke test.
+const BUSY_CPU_FRACTION: f64 = 0.15;
+
+/// Fraction of all CPUs' time that was not idle over `window` (from `/proc/stat`'s first line:
+/// user nice system idle iowait irq softirq steal …); `None` where `/proc/stat` is unreadable.
+fn cpu_busy_fraction(window: std::time::Duration) -> Option<f64> {
+    fn sample() -> Option<(u64, u64)> {
+        let text = fs::read_to_string("/proc/stat").ok()?;
+        let v: Vec<u64> = text.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+        if v.len() < 5 {
+            return None;
+        }
+        let idle = v[3] + v[4];
+        Some((v.iter().take(8).sum(), idle))
+    }
+    let (t0, i0) = sample()?;
+    std::thread::sleep(window);
+    let (t1, i1) = sample()?;
+    let total = t1.checked_sub(t0)?;
+    if total == 0 {
+        return None;
+    }
+    Some(1.0 - (i1.saturating_sub(i0)) as f64 / total as f64)
 }
 
 fn load1(loadavg: &str) -> f64 {
