@@ -53,7 +53,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let keep = |name: String| args.is_empty() || args.contains(&name);
     let any_isa = args.iter().all(|a| !a.starts_with("Avx") && a != "Scalar" && a != "Q8act");
-    let any_ty = args.iter().all(|a| !a.starts_with('Q'));
+    let any_ty = args.iter().all(|a| !a.starts_with('Q') || a == "Q8act");
     for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0] {
         if !any_ty && !keep(format!("{ty:?}")) {
             continue;

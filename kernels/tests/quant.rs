@@ -259,3 +259,64 @@ fn q8_bad_inputs_are_errors() {
         assert!(set_activation_precision(ActivationPrecision::Q8).is_err());
     }
 }
+
+/// Raw Q8_0 / Q4_0 blocks with the extreme codes (−128, which ggml's quantizer never emits, and
+/// nibbles 0 / 15) through every available kernel, f32 and 8-bit activations.
+#[test]
+fn extreme_codes_match_reference() {
+    let (rows, cols, n) = (5usize, 64usize, 3usize);
+    for ty in [BlockType::Q8_0, BlockType::Q4_0, BlockType::Q4_1] {
+        let bb = ty.block_bytes();
+        let mut data = vec![0u8; rows * cols / 32 * bb];
+        for (i, blk) in data.chunks_exact_mut(bb).enumerate() {
+            blk[0..2].copy_from_slice(&0x3C00u16.to_le_bytes()); // d = 1
+            let q0 = if ty == BlockType::Q4_1 {
+                blk[2..4].copy_from_slice(&0xB800u16.to_le_bytes()); // m = -0.5
+                4
+            } else {
+                2
+            };
+            for (j, q) in blk[q0..].iter_mut().enumerate() {
+                *q = match (ty, (i + j) % 3) {
+                    (BlockType::Q8_0, 0) => 0x80, // -128
+                    (BlockType::Q8_0, 1) => 0x7F,
+                    (_, 0) => 0xF0,
+                    (_, 1) => 0x0F,
+                    _ => (i * 7 + j) as u8,
+                };
+            }
+        }
+        let wd = ggml::dequantize(ggml_type(ty), &data, rows * cols).expect("dequantize");
+        let m = PackedMatrix::new(ty, rows, cols, data).expect("packed");
+        let x = values(9, n * cols, 1.5);
+        let qa = QuantizedActivations::quantize(&x, n, cols).expect("quantize");
+        let reference = |xs: &dyn Fn(usize, usize) -> f64| -> Vec<f64> {
+            (0..n).flat_map(|t| (0..rows).map(move |r| (t, r))).map(|(t, r)| (0..cols).map(|c| wd[r * cols + c] as f64 * xs(t, c)).sum()).collect()
+        };
+        let exact = reference(&|t, c| x[t * cols + c] as f64);
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512] {
+            if !isa.is_available() {
+                continue;
+            }
+            let mut y = vec![f32::NAN; n * rows];
+            m.matmul_with(&x, n, &mut y, isa).expect("matmul");
+            for (g, e) in y.iter().zip(&exact) {
+                assert!((*g as f64 - e).abs() <= 1e-4 * (1.0 + e.abs()), "{ty:?} {isa:?}: {g} vs {e}");
+            }
+        }
+        if q8_available() {
+            let deq = reference(&|t, c| qa.codes[t * cols + c] as f64 * qa.scales[t * (cols / 32) + c / 32] as f64);
+            let mut y = vec![f32::NAN; n * rows];
+            m.matmul_q8(&x, n, &mut y).expect("matmul_q8");
+            for (g, e) in y.iter().zip(&deq) {
+                assert!((*g as f64 - e).abs() <= 1e-4 * (1.0 + e.abs()), "{ty:?} q8: {g} vs {e}");
+            }
+            // A non-finite activation reaches the outputs of its token, as in the f32 path.
+            let mut xn = x.clone();
+            xn[cols + 3] = f32::NAN;
+            m.matmul_q8(&xn, n, &mut y).expect("matmul_q8");
+            assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
+            assert!(y[..rows].iter().chain(&y[2 * rows..]).all(|v| v.is_finite()));
+        }
+    }
+}

@@ -849,7 +849,9 @@ pub struct RunMeta {
     pub loadavg_before: String,
     /// `/proc/loadavg` after.
     pub loadavg_after: String,
-    /// Whether other work ran (1-minute load > 0.5 before the run).
+    /// Whether other work ran: more than `BUSY_CPU_FRACTION` of the CPU time busy in the 3 s
+    /// before the run (`/proc/stat`; the 1-minute load > 0.5 where that is unreadable). Work
+    /// that starts during the run is not detected.
     pub busy: bool,
 }
 

@@ -590,11 +590,15 @@ impl GgufFile {
         let start = (self.data_offset + t.offset) as usize;
         let (lo, hi) = (start / page * page, (start + t.n_bytes).div_ceil(page) * page);
         let hi = hi.min(self.mmap.len());
+        #[cfg(unix)]
         if hi > lo {
-            // SAFETY: the map is a private read-only file mapping that is never written, so
-            // discarding its pages cannot lose data; later reads re-fault them from the file.
+            // SAFETY: the map is a read-only (shared) file mapping that this process never
+            // writes, so discarding its pages cannot lose data; later reads fault them back in
+            // from the page cache / file.
             let _ = unsafe { self.mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo, hi - lo) };
         }
+        #[cfg(not(unix))]
+        let _ = (lo, hi);
     }
 
     /// A human-readable report: metadata (one key per line, long values abbreviated) and the

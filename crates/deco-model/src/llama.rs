@@ -466,7 +466,9 @@ impl Llama {
         // inside (packed matmuls, attention, burn-flex ops) then fork from a worker instead of
         // handing every call over from an outside thread and blocking it (one sleep/wake pair
         // per kernel call, ~150 per token, otherwise).
-        if rayon::current_thread_index().is_none() {
+        // CPU only: a GPU device keeps its stream per thread, so its forwards stay where they
+        // were called.
+        if self.device == Device::flex() && rayon::current_thread_index().is_none() {
             return rayon::scope(|_| self.forward_partial_inner(inputs, cache, wanted, num_layers));
         }
         self.forward_partial_inner(inputs, cache, wanted, num_layers)

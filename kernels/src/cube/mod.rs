@@ -202,7 +202,8 @@ impl DecoKernelOps for Flex {
         let m = PackedMatrix::new(ty, rows, cols, bytes).expect("shapes checked by CubePackedMatrix");
         let xs = x.into_data().try_into_vec::<f32>().expect("f32 checked by CubePackedMatrix");
         let mut y = vec![0.0f32; n * rows];
-        m.matmul(&xs, n, &mut y).expect("lengths checked by CubePackedMatrix");
+        // The exact f32-activation kernel, whatever `set_activation_precision` says.
+        m.matmul_with(&xs, n, &mut y, crate::quant::Isa::detect()).expect("lengths checked by CubePackedMatrix");
         into_flex(Tensor::<2>::from_data(TensorData::new(y, [n, rows]), &device))
     }
 

@@ -18,11 +18,12 @@
 //!
 //! # Kernels
 //! - [`PackedMatrix::matmul`] (what the model uses, for every token count): a fused
-//!   dequantize-dot per (row, group of tokens), SIMD with AVX-512 (groups of 8 tokens share one
-//!   unpacking of each block, `x86_512.rs`) or AVX2 + FMA + F16C (groups of 4) when the CPU has
-//!   them (runtime detection with `is_x86_feature_detected!`), a portable scalar loop otherwise.
-//!   Each packed row is read once per tile of 64 tokens and stays in L1 across them. A token's
-//!   result does not depend on the other tokens of the call (batch invariance).
+//!   dequantize-dot, SIMD with AVX-512 (register tiles of 4 rows × 4 tokens: each unpacked block
+//!   feeds 4 tokens, each activation load 4 rows; ~32 KiB sub-chunks of rows stay in cache while
+//!   all tokens pass, `x86_512.rs`) or AVX2 + FMA + F16C (one row × 4 tokens, tiles of 64
+//!   tokens) when the CPU has them (runtime detection with `is_x86_feature_detected!`), a
+//!   portable scalar loop otherwise. A token's result does not depend on the other tokens of the
+//!   call (batch invariance).
 //! - [`PackedMatrix::matmul_dequant_gemm`]: tiles of `GEMM_TILE_ROWS` rows are dequantized to f32
 //!   into a per-task buffer and multiplied with the `gemm` crate (the same f32 micro-kernels
 //!   burn-flex uses); not batch-invariant.
@@ -195,10 +196,12 @@ pub fn q8_available() -> bool {
     }
 }
 
-/// Activations quantized to 8 bits per block of 32 values, per token (the `block_q8_0` scheme
-/// of llama.cpp's `quantize_row_q8_0`, stored as separate arrays): for block `b` of a token,
+/// Activations quantized to 8 bits per block of 32 values, per token (the scheme of llama.cpp's
+/// `quantize_row_q8_0` / `q8_1`, stored as separate arrays and with f32 rather than f16 scales,
+/// so results are not bit-identical to llama.cpp's): for block `b` of a token,
 /// `d_b = max|x| / 127`, codes `q_i = round_half_even(x_i / d_b)` in −127..=127, and the
-/// scaled code sum `s_b = d_b · Σ q_i` (used for the Q4_0 offset and the Q4_1 minimum).
+/// scaled code sum `s_b = d_b · Σ q_i` (used for the Q4_1 minimum). A block with a NaN or an
+/// infinity gets a NaN scale, so the non-finite value reaches the output as in the f32 path.
 ///
 /// # Shapes
 /// `codes`: `[n, cols]`; `scales`, `sums`: `[n, cols / 32]`.
@@ -231,6 +234,11 @@ impl QuantizedActivations {
         let mut sums = vec![0.0f32; nblocks];
         for (b, (xb, qb)) in x.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).enumerate() {
             let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if xb.iter().any(|v| !v.is_finite()) {
+                scales[b] = f32::NAN;
+                sums[b] = f32::NAN;
+                continue;
+            }
             let d = amax / 127.0;
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut sum = 0i32;

@@ -112,10 +112,23 @@ unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
     let mut out = [[0.0f32; T]; R];
     for i in 0..R {
         for k in 0..T {
-            out[i][k] = _mm512_reduce_add_ps(acc[i][k]);
+            out[i][k] = hsum512(acc[i][k]);
         }
     }
     out
+}
+
+/// Sum of the 16 lanes in a fixed order (halves, then the AVX tree), so the result does not
+/// depend on how a library implements `_mm512_reduce_add_ps`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn hsum512(v: __m512) -> f32 {
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    let h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+    let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
 }
 
 /// `R × T` dot products of packed rows with activation rows (see `tile_t`).
@@ -150,11 +163,13 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
 /// `q8_0_q8_0`:
 ///
 /// - Q4_1: `Σ_b d_b·dx_b·Σ q·qx + m_b·(dx_b·Σ qx)`;
-/// - Q4_0: `Σ_b d_b·dx_b·Σ q·qx − 8·d_b·(dx_b·Σ qx)` (`q` the unsigned nibble);
+/// - Q4_0: `Σ_b d_b·dx_b·Σ |q−8|·(sign(q−8)·qx)` (integer-exact, as Q8_0);
 /// - Q8_0: `Σ_b d_b·dx_b·Σ |w|·(sign(w)·qx)` (the `vpsignb` trick: exact integer products).
 ///
 /// The per-block integer sums stay in 8 lanes (no horizontal sum per block); for every (row,
 /// token) the float operations are the same whatever `R` and `T` are (batch invariance).
+/// Q4_0 nibbles are turned into signed `q − 8` codes and go through the same exact
+/// `vpsignb` path as Q8_0 (no float offset correction).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; the `R` rows must hold `nb`
@@ -199,7 +214,11 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
                         // Bytes 0..16: low nibbles (weights 0..16); 16..32: high nibbles.
                         let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
                         wq[i] = _mm256_and_si256(both, m4);
-                        cw[i] = if TY == 0 { -8.0 * dw[i] } else { f16_at(blk.add(2)) };
+                        if TY == 0 {
+                            wq[i] = _mm256_sub_epi8(wq[i], _mm256_set1_epi8(8));
+                        } else {
+                            cw[i] = f16_at(blk.add(2));
+                        }
                     }
                 }
             }
@@ -208,13 +227,13 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
                 let dx = *xd.add(k * nb + b);
                 let sx = *xs.add(k * nb + b);
                 for i in 0..R {
-                    let s = if TY == 2 {
+                    let s = if TY != 1 {
                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i]))
                     } else {
                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[i], xv)
                     };
                     acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[i] * dx), acc[i][k]);
-                    if TY != 2 {
+                    if TY == 1 {
                         corr[i][k] += cw[i] * sx;
                     }
                 }
