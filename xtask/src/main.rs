@@ -77,8 +77,8 @@ enum Cmd {
     Test {
         #[command(flatten)]
         cache: CacheArgs,
-        /// default: `cargo test --workspace --release`; wgpu: deco-kernels with the wgpu feature;
-        /// all: both.
+        /// default: `cargo test --workspace --release`; wgpu: deco-kernels and deco-model with the
+        /// wgpu feature (CubeCL kernels and the model on Mesa lavapipe); all: both.
         #[arg(long, value_enum, default_value = "all")]
         tier: Tier,
         /// Extra arguments for the test binaries (after `--`).
@@ -534,12 +534,14 @@ fn test(cache: &CacheArgs, tier: Tier, test_args: &[String]) -> Result<()> {
         let text = std::fs::read_to_string(&manifest)
             .with_context(|| format!("cannot read {}", manifest.display()))?;
         if has_feature(&text, "wgpu") {
-            eprintln!("== test tier: wgpu (cargo test -p deco-kernels --release --features wgpu)");
+            eprintln!("== test tier: wgpu (cargo test -p deco-kernels -p deco-model --release --features wgpu)");
             let mut c = util::cargo();
             c.args([
                 "test",
                 "-p",
                 "deco-kernels",
+                "-p",
+                "deco-model",
                 "--release",
                 "--features",
                 "wgpu",

@@ -10,7 +10,42 @@ use deco_formats::checkpoint::{Checkpoint, hf_expected_shape, hf_to_gguf_name};
 use deco_formats::config::{Architecture, ModelConfig, RopeScaling};
 use deco_formats::ggml::GgmlType;
 use deco_kernels::attention::{AttnShape, paged_decode_attention};
-use deco_kernels::ops::{RopeTable, causal_gqa_attention, rms_norm, rope_inv_freq, swiglu};
+use deco_kernels::ops::{RopeTable, rope_inv_freq, swiglu};
+
+use self::dispatch::{causal_gqa_attention, rms_norm};
+
+/// Device dispatch of the per-layer ops: on a GPU device (features `wgpu` / `cuda`) RMSNorm and
+/// prefill attention run the fused CubeCL kernels of `deco_kernels::cube` (a shared-memory
+/// reduction per row; FlashAttention-2 tiles without a `[seq, seq]` matrix); on flex, or when a
+/// kernel refuses a shape, the burn compositions of `deco_kernels::ops` they are tested against.
+mod dispatch {
+    use burn::tensor::Tensor;
+
+    /// `deco_kernels::ops::rms_norm` or its fused kernel. Shapes: `x` `[tokens, hidden]`,
+    /// `weight` `[hidden]`.
+    pub(super) fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if x.device() != burn::tensor::Device::flex()
+            && let Ok(y) = deco_kernels::cube::rms_norm(x.clone(), weight, eps)
+        {
+            return y;
+        }
+        deco_kernels::ops::rms_norm(x, weight, eps)
+    }
+
+    /// `deco_kernels::ops::causal_gqa_attention` or FlashAttention-2 on the device. Shapes: `q`
+    /// `[tokens, heads, head_dim]`, `k`, `v` `[past + tokens, kv_heads, head_dim]`, output
+    /// `[tokens, heads · head_dim]`.
+    pub(super) fn causal_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize) -> Tensor<2> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if q.device() != burn::tensor::Device::flex()
+            && let Ok(y) = deco_kernels::cube::flash_attention(q.clone(), k.clone(), v.clone(), past)
+        {
+            return y;
+        }
+        deco_kernels::ops::causal_gqa_attention(q, k, v, past)
+    }
+}
 use deco_kernels::quant::{BlockType, PackedMatrix};
 
 use crate::kv_cache::{KvCache, SeqId};
