@@ -148,7 +148,8 @@ enum BenchCmd {
         /// CPU threads of every deco run.
         #[arg(long, default_value_t = 2)]
         threads: usize,
-        /// Only rows whose label contains one of these (comma-separated), e.g. "awq,W3".
+        /// Only run rows whose label contains one of these (comma-separated), e.g. "awq,W3"; the
+        /// cached results of the other rows stay in the table.
         #[arg(long)]
         only: Option<String>,
         /// Use this deco binary instead of building deco-cli (release).
