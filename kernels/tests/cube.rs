@@ -199,6 +199,7 @@ fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
         BlockType::Q4_0 => ggml::quantize_q4_0(w),
         BlockType::Q4_1 => ggml::quantize_q4_1(w),
         BlockType::Q8_0 => ggml::quantize_q8_0(w),
+        BlockType::Q4_K => unreachable!("Q4_K has no CubeCL kernel (not in TYPES)"),
     }
     .expect("quantize")
 }
@@ -208,6 +209,18 @@ fn ggml_type(ty: BlockType) -> GgmlType {
         BlockType::Q4_0 => GgmlType::Q4_0,
         BlockType::Q4_1 => GgmlType::Q4_1,
         BlockType::Q8_0 => GgmlType::Q8_0,
+        BlockType::Q4_K => GgmlType::Q4_K,
+    }
+}
+
+/// Q4_K matrices (CPU kernels only) are refused with an error, not launched.
+#[test]
+fn quant_matmul_refuses_q4_k() {
+    let m = PackedMatrix::new(BlockType::Q4_K, 2, 256, vec![0u8; 2 * 144]).expect("packed");
+    for (name, dev) in devices() {
+        let w = cube::CubePackedMatrix::upload(&m, &dev);
+        let x = Tensor::<2>::from_data(TensorData::new(vec![0.0f32; 256], [1, 256]), &dev);
+        assert!(w.matmul(x).is_err(), "{name}");
     }
 }
 

@@ -10,14 +10,31 @@ fn ggml_type(ty: BlockType) -> GgmlType {
         BlockType::Q4_0 => GgmlType::Q4_0,
         BlockType::Q4_1 => GgmlType::Q4_1,
         BlockType::Q8_0 => GgmlType::Q8_0,
+        BlockType::Q4_K => GgmlType::Q4_K,
     }
 }
 
+/// Packed blocks for `w`: ggml's quantizers for the 32-blocks; for Q4_K (no quantizer in
+/// deco-formats) raw blocks with every code, scale and min bit pseudo-random and `d`, `dmin`
+/// set from the magnitude of `w` (the reference then dequantizes these exact bytes).
 fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
     match ty {
         BlockType::Q4_0 => ggml::quantize_q4_0(w),
         BlockType::Q4_1 => ggml::quantize_q4_1(w),
         BlockType::Q8_0 => ggml::quantize_q8_0(w),
+        BlockType::Q4_K => {
+            let amax = w.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
+            let bits = values(w.len() as u64 ^ w[0].to_bits() as u64, w.len() / 256 * 144, 1.0);
+            let mut out = Vec::with_capacity(w.len() / 256 * 144);
+            for (b, r) in bits.chunks_exact(144).enumerate() {
+                let d = half::f16::from_f32(amax / (15.0 * 63.0) * (1.0 + (b % 3) as f32));
+                let dmin = half::f16::from_f32(amax / 63.0);
+                out.extend(d.to_bits().to_le_bytes());
+                out.extend(dmin.to_bits().to_le_bytes());
+                out.extend(r[4..].iter().map(|v| (v.to_bits() >> 7) as u8));
+            }
+            Ok(out)
+        }
     }
     .expect("quantize")
 }
@@ -80,8 +97,13 @@ fn check(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64, isa: Isa)
     check_with(ty, rows, cols, n, seed, isa, false)
 }
 
+/// A row length of `blocks` 32-blocks, or 1..=3 super-blocks of 256 for Q4_K.
+fn cols_for(ty: BlockType, blocks: usize) -> usize {
+    if ty == BlockType::Q4_K { (blocks % 3 + 1) * 256 } else { blocks * 32 }
+}
+
 fn block_type() -> impl Strategy<Value = BlockType> {
-    prop_oneof![Just(BlockType::Q4_0), Just(BlockType::Q4_1), Just(BlockType::Q8_0)]
+    prop_oneof![Just(BlockType::Q4_0), Just(BlockType::Q4_1), Just(BlockType::Q8_0), Just(BlockType::Q4_K)]
 }
 
 proptest! {
@@ -97,13 +119,14 @@ proptest! {
         n in prop_oneof![1usize..=17, 60usize..=70],
         seed in any::<u64>(),
     ) {
-        check(ty, rows, blocks * 32, n, seed, Isa::Scalar)?;
+        let cols = cols_for(ty, blocks);
+        check(ty, rows, cols, n, seed, Isa::Scalar)?;
         for isa in [Isa::Avx2, Isa::Avx512] {
             if isa.is_available() {
-                check(ty, rows, blocks * 32, n, seed, isa)?;
+                check(ty, rows, cols, n, seed, isa)?;
             }
         }
-        check_with(ty, rows, blocks * 32, n, seed, Isa::detect(), true)?;
+        check_with(ty, rows, cols, n, seed, Isa::detect(), true)?;
     }
 }
 
@@ -121,8 +144,8 @@ fn model_shapes_match_reference() {
 
 #[test]
 fn dequantize_is_bit_identical_to_ggml() {
-    for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0] {
-        let (rows, cols) = (7, 96);
+    for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0, BlockType::Q4_K] {
+        let (rows, cols) = (7, if ty == BlockType::Q4_K { 512 } else { 96 });
         let packed = quantize(ty, &values(5, rows * cols, 1.0));
         let want = ggml::dequantize(ggml_type(ty), &packed, rows * cols).expect("dequantize");
         let m = PackedMatrix::new(ty, rows, cols, packed).expect("packed");
@@ -213,7 +236,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         if q8_available() {
-            check_q8(ty, rows, blocks * 32, n, seed)?;
+            check_q8(ty, rows, cols_for(ty, blocks), n, seed)?;
         }
     }
 

@@ -197,7 +197,7 @@ impl DecoKernelOps for Flex {
             .into_data()
             .try_into_vec::<u32>()
             .expect("the words are uploaded as u32");
-        let nbytes = rows * (cols / crate::quant::BLOCK) * ty.block_bytes();
+        let nbytes = rows * (cols / ty.block_len()) * ty.block_bytes();
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).take(nbytes).collect();
         let m = PackedMatrix::new(ty, rows, cols, bytes).expect("shapes checked by CubePackedMatrix");
         let xs = x.into_data().try_into_vec::<f32>().expect("f32 checked by CubePackedMatrix");
@@ -481,6 +481,9 @@ impl CubePackedMatrix {
     /// another device, or more than `65535 · 4` rows or tokens (the cube-count limit).
     pub fn matmul(&self, x: Tensor<2>) -> Result<Tensor<2>> {
         let [n, c] = x.dims();
+        if self.ty == BlockType::Q4_K {
+            return Err(Error::Unsupported("quant matmul: no CubeCL kernel for Q4_K blocks yet".into()));
+        }
         if c != self.cols {
             return Err(Error::Incompatible(format!("quant matmul: x rows of {c} values, W has {} columns", self.cols)));
         }

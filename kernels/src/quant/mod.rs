@@ -63,6 +63,10 @@ pub const GEMM_TILE_ROWS: usize = 64;
 /// - `Q4_1`: `d: f16`, `m: f16`, `qs: [u8; 16]`; weights `d · q + m` with the same nibble order.
 ///   20 bytes.
 /// - `Q8_0`: `d: f16`, `qs: [i8; 32]`; weight `i` is `d · qs[i]`. 34 bytes.
+/// - `Q4_K` (256 weights, 144 bytes): `d: f16`, `dmin: f16`, `scales: [u8; 12]` (eight 6-bit
+///   scales and mins, `get_scale_min_k4`), `qs: [u8; 128]`; sub-block `k` (32 weights) is
+///   `d·sc_k · q − dmin·m_k`, its codes the low (even `k`) or high (odd `k`) nibbles of
+///   `qs[32·(k/2) ..][..32]`. The kernels treat it as eight 32-weight sub-blocks.
 #[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BlockType {
@@ -72,16 +76,38 @@ pub enum BlockType {
     Q4_1,
     /// `block_q8_0`.
     Q8_0,
+    /// `block_q4_K` (super-blocks of 256 weights).
+    Q4_K,
 }
 
 impl BlockType {
-    /// Bytes per block of 32 weights.
+    /// Bytes per block (of [`BlockType::block_len`] weights).
     pub const fn block_bytes(self) -> usize {
         match self {
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
             Self::Q8_0 => 34,
+            Self::Q4_K => 144,
         }
+    }
+
+    /// Weights per block: 32, or 256 for `Q4_K`. A row length must be a multiple of it.
+    pub const fn block_len(self) -> usize {
+        match self {
+            Self::Q4_K => 256,
+            _ => BLOCK,
+        }
+    }
+}
+
+/// Scale and min of sub-block `j` (0..8) of a Q4_K block, 6 bits each (ggml's
+/// `get_scale_min_k4`; `s` is the 12-byte `scales` field).
+#[inline]
+pub(crate) fn q4k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
     }
 }
 
@@ -296,17 +322,18 @@ impl SyncPtr {
 }
 
 impl PackedMatrix {
-    /// Wraps packed blocks. `data` must hold exactly `rows · cols / 32` blocks of `ty`.
+    /// Wraps packed blocks. `data` must hold exactly `rows · cols / ty.block_len()` blocks of
+    /// `ty`.
     ///
     /// # Errors
-    /// [`Error::RaggedRow`] if `cols` is not a multiple of 32, [`Error::Length`] for a wrong
-    /// byte count.
+    /// [`Error::RaggedRow`] if `cols` is not a multiple of the block length (32, or 256 for
+    /// Q4_K), [`Error::Length`] for a wrong byte count.
     pub fn new(ty: BlockType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self> {
-        if !cols.is_multiple_of(BLOCK) {
-            return Err(Error::RaggedRow { ty, cols, block: BLOCK });
+        if !cols.is_multiple_of(ty.block_len()) {
+            return Err(Error::RaggedRow { ty, cols, block: ty.block_len() });
         }
         let expected = rows
-            .checked_mul(cols / BLOCK)
+            .checked_mul(cols / ty.block_len())
             .and_then(|b| b.checked_mul(ty.block_bytes()))
             .ok_or(Error::Length { what: "packed matrix bytes", expected: usize::MAX, actual: data.len() })?;
         if data.len() != expected {
@@ -337,7 +364,7 @@ impl PackedMatrix {
 
     /// Bytes per row.
     pub fn row_bytes(&self) -> usize {
-        self.cols / BLOCK * self.ty.block_bytes()
+        self.cols / self.ty.block_len() * self.ty.block_bytes()
     }
 
     fn row(&self, r: usize) -> &[u8] {
@@ -517,6 +544,8 @@ impl PackedMatrix {
     }
 
     fn matmul_fused(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
+        // Q4_K has AVX-512 and scalar kernels only.
+        let isa = if self.ty == BlockType::Q4_K && isa == Isa::Avx2 { Isa::Scalar } else { isa };
         let cols = self.cols;
         let nb = cols / BLOCK;
         // Per-block sums of x (the `m · Σx` term of Q4_1; the AVX-512 kernel folds `m` into the
@@ -721,7 +750,7 @@ impl PackedMatrix {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: AVX2/FMA/F16C checked; row and o have matching sizes.
-                        Isa::Avx2 | Isa::Avx512 => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
+                        Isa::Avx2 | Isa::Avx512 if self.ty != BlockType::Q4_K => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
                         _ => scalar::dequant_row(self.ty, self.row(r0 + i), o),
                     }
                 }

@@ -1,12 +1,35 @@
 //! Portable scalar kernels (reference order of operations; any CPU).
 
-use super::{BLOCK, BlockType, f16_at};
+use super::{BLOCK, BlockType, f16_at, q4k_scale_min};
+
+/// The 32 weights of sub-block `k` (0..8) of the Q4_K block `blk` (ggml's
+/// `dequantize_row_q4_K`: `d·sc · q − dmin·m`).
+fn q4k_sub(blk: &[u8], k: usize, out: &mut [f32]) {
+    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+    let (sc, m) = q4k_scale_min(k, &blk[4..16]);
+    let (d1, m1) = (d * sc as f32, dmin * m as f32);
+    let qs = &blk[16 + 32 * (k / 2)..][..32];
+    for (o, q) in out.iter_mut().zip(qs) {
+        let q = if k.is_multiple_of(2) { q & 0xF } else { q >> 4 };
+        *o = d1 * q as f32 - m1;
+    }
+}
 
 /// Dot product of one packed row with f32 activations `x` (`row` holds `x.len() / 32` blocks);
 /// `xsum[b]` is `Σ x[32b .. 32b + 32]` (used by Q4_1 only).
 pub(super) fn dot(ty: BlockType, row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
     let bb = ty.block_bytes();
     let mut acc = 0.0f32;
+    if ty == BlockType::Q4_K {
+        let mut w = [0.0f32; 32];
+        for (blk, xb) in row.chunks_exact(bb).zip(x.chunks_exact(256)) {
+            for (k, xs) in xb.chunks_exact(32).enumerate() {
+                q4k_sub(blk, k, &mut w);
+                acc += w.iter().zip(xs).map(|(a, b)| a * b).sum::<f32>();
+            }
+        }
+        return acc;
+    }
     for (b, (blk, xb)) in row.chunks_exact(bb).zip(x.chunks_exact(BLOCK)).enumerate() {
         let d = f16_at(blk, 0);
         match ty {
@@ -32,6 +55,7 @@ pub(super) fn dot(ty: BlockType, row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
                 }
                 acc += d * s + m * xsum[b];
             }
+            BlockType::Q4_K => unreachable!("handled above"),
         }
     }
     acc
@@ -40,6 +64,14 @@ pub(super) fn dot(ty: BlockType, row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
 /// Dequantizes one packed row into `out` (`dequantize_row_*` of ggml-quants.c).
 pub(super) fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
     let bb = ty.block_bytes();
+    if ty == BlockType::Q4_K {
+        for (blk, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(256)) {
+            for (k, ok) in o.chunks_exact_mut(32).enumerate() {
+                q4k_sub(blk, k, ok);
+            }
+        }
+        return;
+    }
     for (blk, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(BLOCK)) {
         let d = f16_at(blk, 0);
         match ty {
@@ -61,6 +93,7 @@ pub(super) fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
                     o[j + 16] = (q >> 4) as f32 * d + m;
                 }
             }
+            BlockType::Q4_K => unreachable!("handled above"),
         }
     }
 }

@@ -61,6 +61,25 @@ unsafe fn block_w<const TY: u8>(blk: *const u8) -> (__m512, __m512) {
     }
 }
 
+/// The 32 dequantized weights of sub-block `k` (0..8) of the Q4_K block at `blk`:
+/// `d·sc_k · q − dmin·m_k` (weights 0..16 and 16..32 of the sub-block).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn block_w_q4k(blk: *const u8, k: usize) -> (__m512, __m512) {
+    // SAFETY (all loads): the caller guarantees a whole 144-byte block at `blk` and k < 8.
+    unsafe {
+        let (sc, m) = super::q4k_scale_min(k, std::slice::from_raw_parts(blk.add(4), 12));
+        let d1 = _mm512_set1_ps(f16_at(blk) * sc as f32);
+        let m1 = _mm512_set1_ps(-(f16_at(blk.add(2)) * m as f32));
+        let v = _mm256_loadu_si256(blk.add(16 + 32 * (k / 2)) as *const __m256i);
+        let v = if k.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
+        let q = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+        (_mm512_fmadd_ps(q0, d1, m1), _mm512_fmadd_ps(q1, d1, m1))
+    }
+}
+
 /// Dot products of `R` consecutive packed rows (`nb` blocks of type `TY` each: 0 = Q4_0,
 /// 1 = Q4_1, 2 = Q8_0; row `i` at `rows + i · row_bytes`) with `T` activation rows of `nb · 32`
 /// f32 spaced `stride` apart: `out[i][k] = row_i · x_k`.
@@ -87,7 +106,8 @@ unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
     let bb = match TY {
         0 => BlockType::Q4_0,
         1 => BlockType::Q4_1,
-        _ => BlockType::Q8_0,
+        2 => BlockType::Q8_0,
+        _ => BlockType::Q4_K,
     }
     .block_bytes();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
@@ -96,7 +116,12 @@ unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
         unsafe {
             let mut w = [(_mm512_setzero_ps(), _mm512_setzero_ps()); R];
             for (i, wi) in w.iter_mut().enumerate() {
-                *wi = block_w::<TY>(rows.add(i * row_bytes + b * bb));
+                // `b` counts 32-weight (sub-)blocks; a Q4_K block holds eight.
+                *wi = if TY == 3 {
+                    block_w_q4k(rows.add(i * row_bytes + (b / 8) * bb), b % 8)
+                } else {
+                    block_w::<TY>(rows.add(i * row_bytes + b * bb))
+                };
             }
             for k in 0..T {
                 let xb = x.add(k * stride + b * BLOCK);
@@ -152,6 +177,7 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
             BlockType::Q4_0 => tile_t::<0, R, T>(rows, row_bytes, nb, x, stride),
             BlockType::Q4_1 => tile_t::<1, R, T>(rows, row_bytes, nb, x, stride),
             BlockType::Q8_0 => tile_t::<2, R, T>(rows, row_bytes, nb, x, stride),
+            BlockType::Q4_K => tile_t::<3, R, T>(rows, row_bytes, nb, x, stride),
         }
     }
 }
@@ -164,7 +190,8 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
 ///
 /// - Q4_1: `Σ_b d_b·dx_b·Σ q·qx + m_b·(dx_b·Σ qx)`;
 /// - Q4_0: `Σ_b d_b·dx_b·Σ |q−8|·(sign(q−8)·qx)` (integer-exact, as Q8_0);
-/// - Q8_0: `Σ_b d_b·dx_b·Σ |w|·(sign(w)·qx)` (the `vpsignb` trick: exact integer products).
+/// - Q8_0: `Σ_b d_b·dx_b·Σ |w|·(sign(w)·qx)` (the `vpsignb` trick: exact integer products);
+/// - Q4_K: per 32-weight sub-block as Q4_1 with scale `d·sc_k` and minimum `−dmin·m_k`.
 ///
 /// The per-block integer sums stay in 8 lanes (no horizontal sum per block); for every (row,
 /// token) the float operations are the same whatever `R` and `T` are (batch invariance).
@@ -190,7 +217,8 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
     let bb = match TY {
         0 => BlockType::Q4_0,
         1 => BlockType::Q4_1,
-        _ => BlockType::Q8_0,
+        2 => BlockType::Q8_0,
+        _ => BlockType::Q4_K,
     }
     .block_bytes();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -204,6 +232,18 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
             let mut dw = [0.0f32; R];
             let mut cw = [0.0f32; R];
             for i in 0..R {
+                if TY == 3 {
+                    // Q4_K: sub-block b % 8 of block b / 8, unsigned codes, `d·sc` and `−dmin·m`.
+                    let blk = rows.add(i * row_bytes + (b / 8) * bb);
+                    let k = b % 8;
+                    let (sc, m) = super::q4k_scale_min(k, std::slice::from_raw_parts(blk.add(4), 12));
+                    dw[i] = f16_at(blk) * sc as f32;
+                    cw[i] = -(f16_at(blk.add(2)) * m as f32);
+                    let v = _mm256_loadu_si256(blk.add(16 + 32 * (k / 2)) as *const __m256i);
+                    let v = if k.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
+                    wq[i] = _mm256_and_si256(v, m4);
+                    continue;
+                }
                 let blk = rows.add(i * row_bytes + b * bb);
                 dw[i] = f16_at(blk);
                 match TY {
@@ -227,13 +267,13 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
                 let dx = *xd.add(k * nb + b);
                 let sx = *xs.add(k * nb + b);
                 for i in 0..R {
-                    let s = if TY != 1 {
+                    let s = if TY == 0 || TY == 2 {
                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i]))
                     } else {
                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[i], xv)
                     };
                     acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[i] * dx), acc[i][k]);
-                    if TY == 1 {
+                    if TY == 1 || TY == 3 {
                         corr[i][k] += cw[i] * sx;
                     }
                 }
@@ -275,6 +315,7 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
             BlockType::Q4_0 => q8_tile_t::<0, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
             BlockType::Q4_1 => q8_tile_t::<1, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
             BlockType::Q8_0 => q8_tile_t::<2, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            BlockType::Q4_K => q8_tile_t::<3, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
         }
     }
 }
