@@ -199,7 +199,7 @@ fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
         BlockType::Q4_0 => ggml::quantize_q4_0(w),
         BlockType::Q4_1 => ggml::quantize_q4_1(w),
         BlockType::Q8_0 => ggml::quantize_q8_0(w),
-        BlockType::Q4_K => unreachable!("Q4_K has no CubeCL kernel (not in TYPES)"),
+        BlockType::Q4_K | BlockType::Q5_0 => unreachable!("no CubeCL kernel for this type (not in TYPES)"),
     }
     .expect("quantize")
 }
@@ -210,6 +210,7 @@ fn ggml_type(ty: BlockType) -> GgmlType {
         BlockType::Q4_1 => GgmlType::Q4_1,
         BlockType::Q8_0 => GgmlType::Q8_0,
         BlockType::Q4_K => GgmlType::Q4_K,
+        BlockType::Q5_0 => GgmlType::Q5_0,
     }
 }
 

@@ -11,6 +11,7 @@ fn ggml_type(ty: BlockType) -> GgmlType {
         BlockType::Q4_1 => GgmlType::Q4_1,
         BlockType::Q8_0 => GgmlType::Q8_0,
         BlockType::Q4_K => GgmlType::Q4_K,
+        BlockType::Q5_0 => GgmlType::Q5_0,
     }
 }
 
@@ -32,6 +33,17 @@ fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
                 out.extend(d.to_bits().to_le_bytes());
                 out.extend(dmin.to_bits().to_le_bytes());
                 out.extend(r[4..].iter().map(|v| (v.to_bits() >> 7) as u8));
+            }
+            Ok(out)
+        }
+        BlockType::Q5_0 => {
+            // d = max|w| / 16 per block; codes and 5th bits pseudo-random.
+            let bits = values(w.len() as u64 ^ 0x55, w.len() / 32 * 22, 1.0);
+            let mut out = Vec::with_capacity(w.len() / 32 * 22);
+            for (wb, r) in w.chunks_exact(32).zip(bits.chunks_exact(22)) {
+                let amax = wb.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
+                out.extend(half::f16::from_f32(amax / 16.0).to_bits().to_le_bytes());
+                out.extend(r[2..].iter().map(|v| (v.to_bits() >> 7) as u8));
             }
             Ok(out)
         }
@@ -103,7 +115,7 @@ fn cols_for(ty: BlockType, blocks: usize) -> usize {
 }
 
 fn block_type() -> impl Strategy<Value = BlockType> {
-    prop_oneof![Just(BlockType::Q4_0), Just(BlockType::Q4_1), Just(BlockType::Q8_0), Just(BlockType::Q4_K)]
+    prop_oneof![Just(BlockType::Q4_0), Just(BlockType::Q4_1), Just(BlockType::Q8_0), Just(BlockType::Q4_K), Just(BlockType::Q5_0)]
 }
 
 proptest! {
@@ -144,7 +156,7 @@ fn model_shapes_match_reference() {
 
 #[test]
 fn dequantize_is_bit_identical_to_ggml() {
-    for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0, BlockType::Q4_K] {
+    for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0, BlockType::Q4_K, BlockType::Q5_0] {
         let (rows, cols) = (7, if ty == BlockType::Q4_K { 512 } else { 96 });
         let packed = quantize(ty, &values(5, rows * cols, 1.0));
         let want = ggml::dequantize(ggml_type(ty), &packed, rows * cols).expect("dequantize");
@@ -288,7 +300,7 @@ fn q8_bad_inputs_are_errors() {
 #[test]
 fn extreme_codes_match_reference() {
     let (rows, cols, n) = (5usize, 64usize, 3usize);
-    for ty in [BlockType::Q8_0, BlockType::Q4_0, BlockType::Q4_1] {
+    for ty in [BlockType::Q8_0, BlockType::Q4_0, BlockType::Q4_1, BlockType::Q5_0] {
         let bb = ty.block_bytes();
         let mut data = vec![0u8; rows * cols / 32 * bb];
         for (i, blk) in data.chunks_exact_mut(bb).enumerate() {

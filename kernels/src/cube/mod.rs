@@ -481,8 +481,8 @@ impl CubePackedMatrix {
     /// another device, or more than `65535 · 4` rows or tokens (the cube-count limit).
     pub fn matmul(&self, x: Tensor<2>) -> Result<Tensor<2>> {
         let [n, c] = x.dims();
-        if self.ty == BlockType::Q4_K {
-            return Err(Error::Unsupported("quant matmul: no CubeCL kernel for Q4_K blocks yet".into()));
+        if matches!(self.ty, BlockType::Q4_K | BlockType::Q5_0) {
+            return Err(Error::Unsupported(format!("quant matmul: no CubeCL kernel for {:?} blocks yet", self.ty)));
         }
         if c != self.cols {
             return Err(Error::Incompatible(format!("quant matmul: x rows of {c} values, W has {} columns", self.cols)));

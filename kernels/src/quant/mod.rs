@@ -63,6 +63,8 @@ pub const GEMM_TILE_ROWS: usize = 64;
 /// - `Q4_1`: `d: f16`, `m: f16`, `qs: [u8; 16]`; weights `d · q + m` with the same nibble order.
 ///   20 bytes.
 /// - `Q8_0`: `d: f16`, `qs: [i8; 32]`; weight `i` is `d · qs[i]`. 34 bytes.
+/// - `Q5_0`: `d: f16`, `qh: u32` (bit `j` is the 5th bit of weight `j`), `qs: [u8; 16]` (low 4
+///   bits, nibble order of Q4_0); weight `j` is `d · (q_j − 16)`. 22 bytes.
 /// - `Q4_K` (256 weights, 144 bytes): `d: f16`, `dmin: f16`, `scales: [u8; 12]` (eight 6-bit
 ///   scales and mins, `get_scale_min_k4`), `qs: [u8; 128]`; sub-block `k` (32 weights) is
 ///   `d·sc_k · q − dmin·m_k`, its codes the low (even `k`) or high (odd `k`) nibbles of
@@ -78,6 +80,8 @@ pub enum BlockType {
     Q8_0,
     /// `block_q4_K` (super-blocks of 256 weights).
     Q4_K,
+    /// `block_q5_0`.
+    Q5_0,
 }
 
 impl BlockType {
@@ -88,6 +92,7 @@ impl BlockType {
             Self::Q4_1 => 20,
             Self::Q8_0 => 34,
             Self::Q4_K => 144,
+            Self::Q5_0 => 22,
         }
     }
 
@@ -544,8 +549,8 @@ impl PackedMatrix {
     }
 
     fn matmul_fused(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
-        // Q4_K has AVX-512 and scalar kernels only.
-        let isa = if self.ty == BlockType::Q4_K && isa == Isa::Avx2 { Isa::Scalar } else { isa };
+        // Q4_K and Q5_0 have AVX-512 and scalar kernels only.
+        let isa = if matches!(self.ty, BlockType::Q4_K | BlockType::Q5_0) && isa == Isa::Avx2 { Isa::Scalar } else { isa };
         let cols = self.cols;
         let nb = cols / BLOCK;
         // Per-block sums of x (the `m · Σx` term of Q4_1; the AVX-512 kernel folds `m` into the
@@ -750,7 +755,7 @@ impl PackedMatrix {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: AVX2/FMA/F16C checked; row and o have matching sizes.
-                        Isa::Avx2 | Isa::Avx512 if self.ty != BlockType::Q4_K => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
+                        Isa::Avx2 | Isa::Avx512 if !matches!(self.ty, BlockType::Q4_K | BlockType::Q5_0) => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
                         _ => scalar::dequant_row(self.ty, self.row(r0 + i), o),
                     }
                 }

@@ -55,6 +55,16 @@ pub(super) fn dot(ty: BlockType, row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
                 }
                 acc += d * s + m * xsum[b];
             }
+            BlockType::Q5_0 => {
+                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                let mut s = 0.0f32;
+                for (j, q) in blk[6..22].iter().enumerate() {
+                    let lo = ((q & 15) | ((((qh >> j) & 1) as u8) << 4)) as i32 - 16;
+                    let hi = ((q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4)) as i32 - 16;
+                    s += lo as f32 * xb[j] + hi as f32 * xb[j + 16];
+                }
+                acc += d * s;
+            }
             BlockType::Q4_K => unreachable!("handled above"),
         }
     }
@@ -91,6 +101,15 @@ pub(super) fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
                 for (j, q) in blk[4..20].iter().enumerate() {
                     o[j] = (q & 15) as f32 * d + m;
                     o[j + 16] = (q >> 4) as f32 * d + m;
+                }
+            }
+            BlockType::Q5_0 => {
+                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                for (j, q) in blk[6..22].iter().enumerate() {
+                    let lo = ((q & 15) | ((((qh >> j) & 1) as u8) << 4)) as i32 - 16;
+                    let hi = ((q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4)) as i32 - 16;
+                    o[j] = lo as f32 * d;
+                    o[j + 16] = hi as f32 * d;
                 }
             }
             BlockType::Q4_K => unreachable!("handled above"),

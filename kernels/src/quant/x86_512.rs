@@ -34,6 +34,22 @@ unsafe fn block_w<const TY: u8>(blk: *const u8) -> (__m512, __m512) {
     unsafe {
         let d = _mm512_set1_ps(f16_at(blk));
         match TY {
+            // Q5_0: d · (q − 16), the 5th bits from `qh` as lane masks.
+            4 => {
+                let qh = (blk.add(2) as *const u32).read_unaligned();
+                let v = _mm_loadu_si128(blk.add(6) as *const __m128i);
+                let m4 = _mm_set1_epi8(0x0F);
+                let lo = _mm512_cvtepu8_epi32(_mm_and_si128(v, m4));
+                let hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4));
+                let sixteen = _mm512_set1_epi32(16);
+                let lo = _mm512_mask_add_epi32(lo, qh as u16, lo, sixteen);
+                let hi = _mm512_mask_add_epi32(hi, (qh >> 16) as u16, hi, sixteen);
+                let off = _mm512_set1_ps(16.0);
+                (
+                    _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(lo), off), d),
+                    _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), off), d),
+                )
+            }
             // Q8_0: d · qs[i].
             2 => {
                 let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(2) as *const __m128i)));
@@ -107,7 +123,8 @@ unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
         0 => BlockType::Q4_0,
         1 => BlockType::Q4_1,
         2 => BlockType::Q8_0,
-        _ => BlockType::Q4_K,
+        3 => BlockType::Q4_K,
+        _ => BlockType::Q5_0,
     }
     .block_bytes();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
@@ -178,6 +195,7 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
             BlockType::Q4_1 => tile_t::<1, R, T>(rows, row_bytes, nb, x, stride),
             BlockType::Q8_0 => tile_t::<2, R, T>(rows, row_bytes, nb, x, stride),
             BlockType::Q4_K => tile_t::<3, R, T>(rows, row_bytes, nb, x, stride),
+            BlockType::Q5_0 => tile_t::<4, R, T>(rows, row_bytes, nb, x, stride),
         }
     }
 }
@@ -191,7 +209,8 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
 /// - Q4_1: `Σ_b d_b·dx_b·Σ q·qx + m_b·(dx_b·Σ qx)`;
 /// - Q4_0: `Σ_b d_b·dx_b·Σ |q−8|·(sign(q−8)·qx)` (integer-exact, as Q8_0);
 /// - Q8_0: `Σ_b d_b·dx_b·Σ |w|·(sign(w)·qx)` (the `vpsignb` trick: exact integer products);
-/// - Q4_K: per 32-weight sub-block as Q4_1 with scale `d·sc_k` and minimum `−dmin·m_k`.
+/// - Q4_K: per 32-weight sub-block as Q4_1 with scale `d·sc_k` and minimum `−dmin·m_k`;
+/// - Q5_0: signed codes `q − 16` through the `vpsignb` path, as Q4_0.
 ///
 /// The per-block integer sums stay in 8 lanes (no horizontal sum per block); for every (row,
 /// token) the float operations are the same whatever `R` and `T` are (batch invariance).
@@ -218,7 +237,8 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
         0 => BlockType::Q4_0,
         1 => BlockType::Q4_1,
         2 => BlockType::Q8_0,
-        _ => BlockType::Q4_K,
+        3 => BlockType::Q4_K,
+        _ => BlockType::Q5_0,
     }
     .block_bytes();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -248,6 +268,15 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
                 dw[i] = f16_at(blk);
                 match TY {
                     2 => wq[i] = _mm256_loadu_si256(blk.add(2) as *const __m256i),
+                    4 => {
+                        // Q5_0: 5-bit codes (4 low bits + the `qh` bit as a byte mask) − 16,
+                        // signed, through the exact `vpsignb` path.
+                        let qh = (blk.add(2) as *const u32).read_unaligned();
+                        let v = _mm_loadu_si128(blk.add(6) as *const __m128i);
+                        let both = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4);
+                        let both = _mm256_mask_add_epi8(both, qh, both, _mm256_set1_epi8(16));
+                        wq[i] = _mm256_sub_epi8(both, _mm256_set1_epi8(16));
+                    }
                     _ => {
                         let off = if TY == 0 { 2 } else { 4 };
                         let v = _mm_loadu_si128(blk.add(off) as *const __m128i);
@@ -267,7 +296,7 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
                 let dx = *xd.add(k * nb + b);
                 let sx = *xs.add(k * nb + b);
                 for i in 0..R {
-                    let s = if TY == 0 || TY == 2 {
+                    let s = if TY == 0 || TY == 2 || TY == 4 {
                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i]))
                     } else {
                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[i], xv)
@@ -316,6 +345,7 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
             BlockType::Q4_1 => q8_tile_t::<1, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
             BlockType::Q8_0 => q8_tile_t::<2, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
             BlockType::Q4_K => q8_tile_t::<3, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            BlockType::Q5_0 => q8_tile_t::<4, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
         }
     }
 }
