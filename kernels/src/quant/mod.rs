@@ -2,8 +2,9 @@
 //!
 //! A [`PackedMatrix`] holds a weight `W` of shape `[rows, cols]` = `[out_features, in_features]`
 //! (transformers' `nn.Linear` layout) as the GGUF / ggml blocks it was stored in: each row is
-//! `cols / 32` consecutive blocks of 32 weights (`block_q4_0`, `block_q4_1`, `block_q8_0` of
-//! llama.cpp's `ggml-common.h`), so a 135M-parameter Q4_1 model needs 0.625 bytes per weight
+//! `cols / 32` consecutive blocks of 32 weights (`block_q4_0`, `block_q4_1`, `block_q5_0`,
+//! `block_q8_0` of llama.cpp's `ggml-common.h`) or `cols / 256` super-blocks (`block_q4_K`;
+//! AVX-512 and scalar kernels only), so a 135M-parameter Q4_1 model needs 0.625 bytes per weight
 //! instead of 4. [`PackedMatrix::matmul`] computes `y[n, rows] = x[n, cols] · Wᵀ`.
 //!
 //! # Accuracy choice: f32 activations
