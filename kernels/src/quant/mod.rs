@@ -56,6 +56,22 @@ pub const BLOCK: usize = 32;
 /// Weight rows per dequantized tile of the GEMM path.
 pub const GEMM_TILE_ROWS: usize = 64;
 
+/// Rows × tokens of the AVX-512 register tiles.
+#[cfg(target_arch = "x86_64")]
+const TILE_R: usize = 4;
+#[cfg(target_arch = "x86_64")]
+const TILE_T: usize = 4;
+
+/// A smaller tile's results in the top-left corner of a full tile.
+#[cfg(target_arch = "x86_64")]
+fn widen<const R: usize, const T: usize>(o: [[f32; T]; R]) -> [[f32; TILE_T]; TILE_R] {
+    let mut out = [[0.0f32; TILE_T]; TILE_R];
+    for (dst, src) in out.iter_mut().zip(o) {
+        dst[..T].copy_from_slice(&src);
+    }
+    out
+}
+
 /// A GGUF block type that the packed kernels understand.
 ///
 /// Block layouts (little-endian, from ggml-common.h), for 32 weights each:
@@ -618,80 +634,66 @@ impl PackedMatrix {
         });
     }
 
-    /// The AVX-512 path of [`PackedMatrix::matmul`]: rayon over row chunks; inside a chunk,
-    /// sub-chunks of ~32 KiB of packed rows stay in L1/L2 while every group of 4 tokens passes
-    /// over them in register tiles of 4 rows × 4 tokens (`x86_512::tile`); leftover rows and
-    /// tokens use 1-wide tiles with the same per-element arithmetic.
+    /// The AVX-512 path of [`PackedMatrix::matmul`]: f32 activations, `x86_512::tile`.
     #[cfg(target_arch = "x86_64")]
     fn matmul_tiled_512(&self, x: &[f32], n: usize, y: &mut [f32]) {
-        const R: usize = 4;
-        const T: usize = 4;
-        const SUB_BYTES: usize = 32 * 1024;
-        let (cols, rows, ty) = (self.cols, self.rows, self.ty);
+        let (cols, ty) = (self.cols, self.ty);
         let nb = cols / BLOCK;
-        let row_bytes = self.row_bytes();
-        let chunk = self.chunk_rows(cols * n).next_multiple_of(R);
-        let sub = (SUB_BYTES / row_bytes.max(1)).max(R).next_multiple_of(R);
-        let yp = SyncPtr(y.as_mut_ptr());
-        (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
-            let end = ((ci + 1) * chunk).min(rows);
-            let mut s0 = ci * chunk;
-            while s0 < end {
-                let s1 = (s0 + sub).min(end);
-                let mut t = 0;
-                while t < n {
-                    let tk = if n - t >= T { T } else { 1 };
-                    let xp = x[t * cols..].as_ptr();
-                    let mut r = s0;
-                    while r < s1 {
-                        let rk = if s1 - r >= R { R } else { 1 };
-                        let wp = self.data[r * row_bytes..].as_ptr();
-                        let mut out = [[0.0f32; T]; R];
-                        // SAFETY: AVX-512 F/BW/VL, AVX2, FMA and F16C were detected (the caller
-                        // checked `Isa::Avx512.is_available()`); rows r .. r + rk exist (each
-                        // `row_bytes` of `nb` blocks) and tokens t .. t + tk exist in x.
-                        unsafe {
-                            match (rk, tk) {
-                                (R, T) => out = x86_512::tile::<R, T>(ty, wp, row_bytes, nb, xp, cols),
-                                (R, _) => {
-                                    let o = x86_512::tile::<R, 1>(ty, wp, row_bytes, nb, xp, cols);
-                                    for i in 0..R {
-                                        out[i][0] = o[i][0];
-                                    }
-                                }
-                                (_, T) => out[0] = x86_512::tile::<1, T>(ty, wp, row_bytes, nb, xp, cols)[0],
-                                _ => out[0][0] = x86_512::tile::<1, 1>(ty, wp, row_bytes, nb, xp, cols)[0][0],
-                            }
-                        }
-                        for (i, o) in out.iter().enumerate().take(rk) {
-                            for (k, v) in o.iter().enumerate().take(tk) {
-                                // SAFETY: (t + k, r + i) is inside y and rows s0 .. s1 belong to
-                                // this task only.
-                                unsafe { *yp.get().add((t + k) * rows + r + i) = *v };
-                            }
-                        }
-                        r += rk;
-                    }
-                    t += tk;
+        self.tiled(n, cols * n, y, |t, wp, rk, tk| {
+            let xp = x[t * cols..].as_ptr();
+            // SAFETY: AVX-512 F/BW/VL, AVX2, FMA and F16C were detected (the caller checked
+            // `Isa::Avx512.is_available()`); `tiled` passes rows that exist (each `row_bytes` of
+            // `nb` 32-weight (sub-)blocks) and tokens t .. t + tk that exist in x.
+            unsafe {
+                match (rk, tk) {
+                    (TILE_R, TILE_T) => x86_512::tile::<TILE_R, TILE_T>(ty, wp, self.row_bytes(), nb, xp, cols),
+                    (TILE_R, _) => widen(x86_512::tile::<TILE_R, 1>(ty, wp, self.row_bytes(), nb, xp, cols)),
+                    (_, TILE_T) => widen(x86_512::tile::<1, TILE_T>(ty, wp, self.row_bytes(), nb, xp, cols)),
+                    _ => widen(x86_512::tile::<1, 1>(ty, wp, self.row_bytes(), nb, xp, cols)),
                 }
-                s0 = s1;
             }
         });
     }
 
-    /// The VNNI path of [`PackedMatrix::matmul_q8`], with the loop structure of
-    /// `matmul_tiled_512` (row chunks per rayon task, ~32 KiB sub-chunks, 4 × 4 register tiles).
+    /// The VNNI path of [`PackedMatrix::matmul_q8`]: 8-bit activations, `x86_512::q8_tile`.
     #[cfg(target_arch = "x86_64")]
     fn matmul_tiled_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32]) {
-        const R: usize = 4;
-        const T: usize = 4;
-        const SUB_BYTES: usize = 32 * 1024;
-        let (cols, rows, ty) = (self.cols, self.rows, self.ty);
+        let (cols, ty) = (self.cols, self.ty);
         let nb = cols / BLOCK;
-        let row_bytes = self.row_bytes();
         // Integer products are ~4× cheaper than f32 ones: larger chunks per task.
-        let chunk = self.chunk_rows(cols * n / 4).next_multiple_of(R);
-        let sub = (SUB_BYTES / row_bytes.max(1)).max(R).next_multiple_of(R);
+        self.tiled(n, cols * n / 4, y, |t, wp, rk, tk| {
+            let (xq, xd, xs) = (qa.codes[t * cols..].as_ptr(), qa.scales[t * nb..].as_ptr(), qa.sums[t * nb..].as_ptr());
+            let rb = self.row_bytes();
+            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (the caller checked
+            // `q8_available()`); `tiled` passes rows that exist (`nb` (sub-)blocks each) and
+            // tokens t .. t + tk that exist in the quantized activations.
+            unsafe {
+                match (rk, tk) {
+                    (TILE_R, TILE_T) => x86_512::q8_tile::<TILE_R, TILE_T>(ty, wp, rb, nb, xq, xd, xs, cols),
+                    (TILE_R, _) => widen(x86_512::q8_tile::<TILE_R, 1>(ty, wp, rb, nb, xq, xd, xs, cols)),
+                    (_, TILE_T) => widen(x86_512::q8_tile::<1, TILE_T>(ty, wp, rb, nb, xq, xd, xs, cols)),
+                    _ => widen(x86_512::q8_tile::<1, 1>(ty, wp, rb, nb, xq, xd, xs, cols)),
+                }
+            }
+        });
+    }
+
+    /// The loop structure shared by the AVX-512 kernels: rayon over row chunks (sized from
+    /// `cost` as [`PackedMatrix::chunk_rows`]); inside a chunk, sub-chunks of ~32 KiB of packed
+    /// rows stay in L1/L2 while every group of `TILE_T` tokens passes over them in register tiles
+    /// of `TILE_R` rows (leftover rows and tokens in 1-wide tiles, with the same per-element
+    /// arithmetic). `tile(t, rows_ptr, rk, tk)` returns the `rk × tk` dot products of rows
+    /// starting at `rows_ptr` with tokens `t ..`; they are written to `y[n, rows]`.
+    #[cfg(target_arch = "x86_64")]
+    fn tiled<F>(&self, n: usize, cost: usize, y: &mut [f32], tile: F)
+    where
+        F: Fn(usize, *const u8, usize, usize) -> [[f32; TILE_T]; TILE_R] + Sync,
+    {
+        const SUB_BYTES: usize = 32 * 1024;
+        let rows = self.rows;
+        let row_bytes = self.row_bytes();
+        let chunk = self.chunk_rows(cost).next_multiple_of(TILE_R);
+        let sub = (SUB_BYTES / row_bytes.max(1)).max(TILE_R).next_multiple_of(TILE_R);
         let yp = SyncPtr(y.as_mut_ptr());
         (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
             let end = ((ci + 1) * chunk).min(rows);
@@ -700,31 +702,11 @@ impl PackedMatrix {
                 let s1 = (s0 + sub).min(end);
                 let mut t = 0;
                 while t < n {
-                    let tk = if n - t >= T { T } else { 1 };
-                    let xq = qa.codes[t * cols..].as_ptr();
-                    let xd = qa.scales[t * nb..].as_ptr();
-                    let xs = qa.sums[t * nb..].as_ptr();
+                    let tk = if n - t >= TILE_T { TILE_T } else { 1 };
                     let mut r = s0;
                     while r < s1 {
-                        let rk = if s1 - r >= R { R } else { 1 };
-                        let wp = self.data[r * row_bytes..].as_ptr();
-                        let mut out = [[0.0f32; T]; R];
-                        // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (the
-                        // caller checked `q8_available()`); rows r .. r + rk exist (`nb` blocks
-                        // each) and tokens t .. t + tk exist in the quantized activations.
-                        unsafe {
-                            match (rk, tk) {
-                                (R, T) => out = x86_512::q8_tile::<R, T>(ty, wp, row_bytes, nb, xq, xd, xs, cols),
-                                (R, _) => {
-                                    let o = x86_512::q8_tile::<R, 1>(ty, wp, row_bytes, nb, xq, xd, xs, cols);
-                                    for i in 0..R {
-                                        out[i][0] = o[i][0];
-                                    }
-                                }
-                                (_, T) => out[0] = x86_512::q8_tile::<1, T>(ty, wp, row_bytes, nb, xq, xd, xs, cols)[0],
-                                _ => out[0][0] = x86_512::q8_tile::<1, 1>(ty, wp, row_bytes, nb, xq, xd, xs, cols)[0][0],
-                            }
-                        }
+                        let rk = if s1 - r >= TILE_R { TILE_R } else { 1 };
+                        let out = tile(t, self.data[r * row_bytes..].as_ptr(), rk, tk);
                         for (i, o) in out.iter().enumerate().take(rk) {
                             for (k, v) in o.iter().enumerate().take(tk) {
                                 // SAFETY: (t + k, r + i) is inside y and rows s0 .. s1 belong to

@@ -77,23 +77,44 @@ unsafe fn block_w<const TY: u8>(blk: *const u8) -> (__m512, __m512) {
     }
 }
 
+/// The block type of the const parameter `TY` of the kernels below (0 = Q4_0, 1 = Q4_1,
+/// 2 = Q8_0, 3 = Q4_K, 4 = Q5_0).
+const fn block_type<const TY: u8>() -> BlockType {
+    match TY {
+        0 => BlockType::Q4_0,
+        1 => BlockType::Q4_1,
+        2 => BlockType::Q8_0,
+        3 => BlockType::Q4_K,
+        _ => BlockType::Q5_0,
+    }
+}
+
+/// Sub-block `k` (0..8) of the Q4_K block at `blk`: its 32 unsigned 4-bit codes (one per byte,
+/// in weight order), its scale `d·sc_k` and its negated minimum `−dmin·m_k`, so that weight
+/// `i` is `d·sc_k · q_i − dmin·m_k`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q4k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f32) {
+    // SAFETY (all loads): the caller guarantees a whole 144-byte block at `blk` and k < 8.
+    unsafe {
+        let (sc, m) = super::q4k_scale_min(k, std::slice::from_raw_parts(blk.add(4), 12));
+        let v = _mm256_loadu_si256(blk.add(16 + 32 * (k / 2)) as *const __m256i);
+        let v = if k.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
+        (_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), f16_at(blk) * sc as f32, -(f16_at(blk.add(2)) * m as f32))
+    }
+}
+
 /// The 32 dequantized weights of sub-block `k` (0..8) of the Q4_K block at `blk`:
 /// `d·sc_k · q − dmin·m_k` (weights 0..16 and 16..32 of the sub-block).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn block_w_q4k(blk: *const u8, k: usize) -> (__m512, __m512) {
-    // SAFETY (all loads): the caller guarantees a whole 144-byte block at `blk` and k < 8.
-    unsafe {
-        let (sc, m) = super::q4k_scale_min(k, std::slice::from_raw_parts(blk.add(4), 12));
-        let d1 = _mm512_set1_ps(f16_at(blk) * sc as f32);
-        let m1 = _mm512_set1_ps(-(f16_at(blk.add(2)) * m as f32));
-        let v = _mm256_loadu_si256(blk.add(16 + 32 * (k / 2)) as *const __m256i);
-        let v = if k.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
-        let q = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-        let q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
-        let q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
-        (_mm512_fmadd_ps(q0, d1, m1), _mm512_fmadd_ps(q1, d1, m1))
-    }
+    // SAFETY: forwarded from the caller.
+    let (q, d1, m1) = unsafe { q4k_sub_codes(blk, k) };
+    let (d1, m1) = (_mm512_set1_ps(d1), _mm512_set1_ps(m1));
+    let q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+    let q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+    (_mm512_fmadd_ps(q0, d1, m1), _mm512_fmadd_ps(q1, d1, m1))
 }
 
 /// Dot products of `R` consecutive packed rows (`nb` blocks of type `TY` each: 0 = Q4_0,
@@ -119,14 +140,7 @@ unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
     x: *const f32,
     stride: usize,
 ) -> [[f32; T]; R] {
-    let bb = match TY {
-        0 => BlockType::Q4_0,
-        1 => BlockType::Q4_1,
-        2 => BlockType::Q8_0,
-        3 => BlockType::Q4_K,
-        _ => BlockType::Q5_0,
-    }
-    .block_bytes();
+    let bb = block_type::<TY>().block_bytes();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     for b in 0..nb {
         // SAFETY: b < nb, so every row's block and each token's 32 values are in bounds.
@@ -166,11 +180,7 @@ unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn hsum512(v: __m512) -> f32 {
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-    let h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
-    let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
+    super::x86::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
 }
 
 /// `R × T` dot products of packed rows with activation rows (see `tile_t`).
@@ -233,14 +243,7 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
     xs: *const f32,
     stride: usize,
 ) -> [[f32; T]; R] {
-    let bb = match TY {
-        0 => BlockType::Q4_0,
-        1 => BlockType::Q4_1,
-        2 => BlockType::Q8_0,
-        3 => BlockType::Q4_K,
-        _ => BlockType::Q5_0,
-    }
-    .block_bytes();
+    let bb = block_type::<TY>().block_bytes();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut corr = [[0.0f32; T]; R];
     let m4 = _mm256_set1_epi8(0x0F);
@@ -254,14 +257,7 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
             for i in 0..R {
                 if TY == 3 {
                     // Q4_K: sub-block b % 8 of block b / 8, unsigned codes, `d·sc` and `−dmin·m`.
-                    let blk = rows.add(i * row_bytes + (b / 8) * bb);
-                    let k = b % 8;
-                    let (sc, m) = super::q4k_scale_min(k, std::slice::from_raw_parts(blk.add(4), 12));
-                    dw[i] = f16_at(blk) * sc as f32;
-                    cw[i] = -(f16_at(blk.add(2)) * m as f32);
-                    let v = _mm256_loadu_si256(blk.add(16 + 32 * (k / 2)) as *const __m256i);
-                    let v = if k.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
-                    wq[i] = _mm256_and_si256(v, m4);
+                    (wq[i], dw[i], cw[i]) = q4k_sub_codes(rows.add(i * row_bytes + (b / 8) * bb), b % 8);
                     continue;
                 }
                 let blk = rows.add(i * row_bytes + b * bb);
@@ -312,11 +308,7 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
     let mut out = [[0.0f32; T]; R];
     for i in 0..R {
         for k in 0..T {
-            let v = acc[i][k];
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-            out[i][k] = _mm_cvtss_f32(s) + corr[i][k];
+            out[i][k] = super::x86::hsum(acc[i][k]) + corr[i][k];
         }
     }
     out
