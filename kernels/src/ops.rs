@@ -81,15 +81,34 @@ impl RopeTable {
     /// - `positions`: `[tokens]`, each `< max_positions` (the caller checks)
     /// - output: `[tokens, heads, head_dim]`
     pub fn apply(&self, x: Tensor<3>, positions: &Tensor<1, Int>) -> Tensor<3> {
-        let cos = self.cos.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
-        let sin = self.sin.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
-        let half = self.head_dim / 2;
-        let [t, h, _] = x.dims();
-        let x1 = x.clone().slice([0..t, 0..h, 0..half]);
-        let x2 = x.clone().slice([0..t, 0..h, half..self.head_dim]);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 2);
-        x.mul(cos).add(rotated.mul(sin))
+        rope_with_tables(x, &self.cos, &self.sin, positions)
     }
+
+    /// The `[max_positions, head_dim]` cos and sin tables (for the fused kernels).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn tables(&self) -> (&Tensor<2>, &Tensor<2>) {
+        (&self.cos, &self.sin)
+    }
+
+    /// Rotary dimension (the tables' width).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
+/// The rotate-half composition of [`RopeTable::apply`] on explicit tables: `x · cos +
+/// rotate_half(x) · sin` with the rows of `positions`. Shapes as [`RopeTable::apply`]; `cos`,
+/// `sin`: `[max_positions, head_dim]`.
+pub(crate) fn rope_with_tables(x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>, positions: &Tensor<1, Int>) -> Tensor<3> {
+    let cos = cos.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
+    let sin = sin.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
+    let [t, h, d] = x.dims();
+    let half = d / 2;
+    let x1 = x.clone().slice([0..t, 0..h, 0..half]);
+    let x2 = x.clone().slice([0..t, 0..h, half..d]);
+    let rotated = Tensor::cat(vec![x2.neg(), x1], 2);
+    x.mul(cos).add(rotated.mul(sin))
 }
 
 /// Standard RoPE inverse frequencies `1 / theta^(2i / head_dim)`, `i = 0 .. head_dim/2`.

@@ -179,7 +179,7 @@ impl DecoKernelOps for Flex {
         let cos = Tensor::<2>::from_primitive::<Flex>(cos);
         let sin = Tensor::<2>::from_primitive::<Flex>(sin);
         let positions = Tensor::<1, Int>::from_primitive::<Flex>(positions);
-        into_flex(rope_composition(x, &cos, &sin, &positions))
+        into_flex(crate::ops::rope_with_tables(x, &cos, &sin, &positions))
     }
 
     /// Copies the words back to bytes and runs [`PackedMatrix::matmul`] (the CPU kernel).
@@ -319,47 +319,23 @@ pub fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Result<Tensor<2>>
 /// Rotary position embedding tables and the fused rotate-half RoPE (Su et al. 2021,
 /// "RoFormer", eq. 34; transformers' `apply_rotary_pos_emb`), as [`crate::ops::RopeTable`].
 ///
-/// The tables are built exactly as [`crate::ops::RopeTable::new`] builds them (angles in f64,
-/// rounded once to f32), so the two agree up to the rounding of the kernel's arithmetic.
+/// It holds a [`crate::ops::RopeTable`] (the same tables, built once the same way) and applies
+/// them with one kernel launch.
 #[derive(Debug, Clone)]
 pub struct CubeRope {
-    /// `[max_positions, head_dim]`: cos of the angle, first half repeated in the second half.
-    cos: Tensor<2>,
-    /// `[max_positions, head_dim]`: sin, same layout.
-    sin: Tensor<2>,
-    head_dim: usize,
-    max_positions: usize,
+    table: crate::ops::RopeTable,
 }
 
 impl CubeRope {
     /// Builds the tables from inverse frequencies `inv_freq` (length `head_dim / 2`, see
     /// [`crate::ops::rope_inv_freq`]) for positions `0 .. max_positions`.
     pub fn new(inv_freq: &[f64], max_positions: usize, device: &Device) -> Self {
-        let half = inv_freq.len();
-        let head_dim = 2 * half;
-        let mut cos = Vec::with_capacity(max_positions * head_dim);
-        let mut sin = Vec::with_capacity(max_positions * head_dim);
-        for p in 0..max_positions {
-            for _ in 0..2 {
-                for &f in inv_freq {
-                    let a = p as f64 * f;
-                    cos.push(a.cos() as f32);
-                    sin.push(a.sin() as f32);
-                }
-            }
-        }
-        let shape = [max_positions, head_dim];
-        Self {
-            cos: Tensor::from_data(TensorData::new(cos, shape), device),
-            sin: Tensor::from_data(TensorData::new(sin, shape), device),
-            head_dim,
-            max_positions,
-        }
+        Self { table: crate::ops::RopeTable::new(inv_freq, max_positions, device) }
     }
 
     /// Largest position + 1 the tables cover.
     pub fn max_positions(&self) -> usize {
-        self.max_positions
+        self.table.max_positions()
     }
 
     /// Rotates `x` by the angles of `positions`: `x · cos + rotate_half(x) · sin`.
@@ -380,36 +356,24 @@ impl CubeRope {
     pub fn apply(&self, x: Tensor<3>, positions: &Tensor<1, Int>) -> Result<Tensor<3>> {
         let [t, _, d] = x.dims();
         let [p] = positions.dims();
-        if d != self.head_dim {
-            return Err(Error::Incompatible(format!("rope: head_dim {d}, tables built for {}", self.head_dim)));
+        let (cos, sin) = self.table.tables();
+        if d != self.table.head_dim() {
+            return Err(Error::Incompatible(format!("rope: head_dim {d}, tables built for {}", self.table.head_dim())));
         }
         if p != t {
             return Err(Error::Incompatible(format!("rope: {p} positions for {t} tokens")));
         }
         check_f32("rope x", &x)?;
-        check_device("rope", &x.device(), &self.cos.device())?;
-        check_device("rope positions", &positions.device(), &self.cos.device())?;
+        check_device("rope", &x.device(), &cos.device())?;
+        check_device("rope positions", &positions.device(), &cos.device())?;
         let out = <burn::backend::Dispatch as DecoKernelOps>::rope(
             x.into_dispatch(),
-            self.cos.clone().into_dispatch(),
-            self.sin.clone().into_dispatch(),
+            cos.clone().into_dispatch(),
+            sin.clone().into_dispatch(),
             positions.clone().into_dispatch(),
         );
         Ok(Tensor::from_dispatch(out))
     }
-}
-
-/// The rotate-half RoPE composition of [`crate::ops::RopeTable::apply`] on explicit tables (the
-/// Flex path of [`DecoKernelOps::rope`]).
-fn rope_composition(x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>, positions: &Tensor<1, Int>) -> Tensor<3> {
-    let cos = cos.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
-    let sin = sin.clone().select(0, positions.clone()).unsqueeze_dim::<3>(1);
-    let [t, h, d] = x.dims();
-    let half = d / 2;
-    let x1 = x.clone().slice([0..t, 0..h, 0..half]);
-    let x2 = x.clone().slice([0..t, 0..h, half..d]);
-    let rotated = Tensor::cat(vec![x2.neg(), x1], 2);
-    x.mul(cos).add(rotated.mul(sin))
 }
 
 /// A [`PackedMatrix`] uploaded to a device for [`CubePackedMatrix::matmul`].
