@@ -495,18 +495,8 @@ fn measure_bandwidth(probe: &Path, threads: usize, bw: &mut Bandwidth) -> Result
         let mut cmd = Command::new(probe);
         cmd.args([mib, threads, passes].map(|x| x.to_string()));
         let shown = show(&cmd);
-        let out = cmd
-            .output()
-            .with_context(|| format!("cannot start `{shown}`"))?;
-        if !out.status.success() {
-            bail!(
-                "`{shown}` failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        let (m, samples) = parse_probe(&String::from_utf8_lossy(&out.stdout))
-            .with_context(|| format!("`{shown}`"))?;
+        let (stdout, _) = util::output(&mut cmd)?;
+        let (m, samples) = parse_probe(&stdout).with_context(|| format!("`{shown}`"))?;
         let s = min_med_max(&samples).unwrap_or((f64::NAN, f64::NAN, f64::NAN));
         eprintln!(
             "read bandwidth, {m} MiB, {threads} thread(s): {:.1} / {:.1} / {:.1} GB/s (min / median / max of {} passes)",
@@ -560,18 +550,8 @@ fn gguf_tensors(deco: &Path, model: &Path) -> Result<Vec<TensorRow>> {
     let mut cmd = Command::new(deco);
     cmd.arg("inspect").arg(model);
     let shown = show(&cmd);
-    let out = cmd
-        .output()
-        .with_context(|| format!("cannot start `{shown}`"))?;
-    if !out.status.success() {
-        bail!(
-            "`{shown}` failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    parse_inspect_tensors(&String::from_utf8_lossy(&out.stdout))
-        .with_context(|| format!("`{shown}`"))
+    let (stdout, _) = util::output(&mut cmd)?;
+    parse_inspect_tensors(&stdout).with_context(|| format!("`{shown}`"))
 }
 
 /// Everything measured for one type.

@@ -15,11 +15,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
 use crate::bench::{deco_binary, min_med_max, parse_stats};
 use crate::fetch::{self, What};
-use crate::util::{self, run};
+use crate::util::{self, output, run};
 
 /// Options of `bench compress`.
 #[derive(Debug, Clone)]
@@ -58,17 +58,6 @@ struct Row {
     calib_tokens: usize,
     minutes: f64,
     decode_tok_s: Option<f64>,
-}
-
-fn output(cmd: &mut Command) -> Result<(String, String)> {
-    let shown = util::show(cmd);
-    eprintln!("+ {shown}");
-    let out = cmd.stdin(Stdio::null()).output().with_context(|| format!("cannot start `{shown}`"))?;
-    let (so, se) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
-    if !out.status.success() {
-        bail!("`{shown}` failed ({}): {}", out.status, se.trim());
-    }
-    Ok((so, se))
 }
 
 /// `key=value` of the last line of `text` starting with `prefix`.

@@ -101,6 +101,22 @@ pub fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// Runs a command with no stdin and captured stdout / stderr (printing the command line first);
+/// returns both. Fails, quoting stderr, unless it exits 0.
+pub fn output(cmd: &mut Command) -> Result<(String, String)> {
+    let shown = show(cmd);
+    eprintln!("+ {shown}");
+    let out = cmd
+        .stdin(std::process::Stdio::null())
+        .output()
+        .with_context(|| format!("cannot start `{shown}`"))?;
+    let (so, se) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+    if !out.status.success() {
+        bail!("`{shown}` failed ({}): {}", out.status, se.trim());
+    }
+    Ok((so, se))
+}
+
 /// A command line for messages.
 pub fn show(cmd: &Command) -> String {
     let mut s = cmd.get_program().to_string_lossy().into_owned();
