@@ -12,6 +12,8 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+mod common;
+
 fn wgpu() -> Device {
     Device::wgpu(Default::default())
 }
@@ -189,29 +191,14 @@ fn rope_rejects_bad_shapes() {
 // ---------------------------------------------------------------------------------------------
 // Quantized matmul
 
-use deco_formats::ggml::{self, GgmlType};
+use common::ggml_type;
+use deco_formats::ggml;
 use deco_kernels::quant::{BlockType, PackedMatrix};
 
 const TYPES: [BlockType; 3] = [BlockType::Q8_0, BlockType::Q4_0, BlockType::Q4_1];
 
 fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
-    match ty {
-        BlockType::Q4_0 => ggml::quantize_q4_0(w),
-        BlockType::Q4_1 => ggml::quantize_q4_1(w),
-        BlockType::Q8_0 => ggml::quantize_q8_0(w),
-        BlockType::Q4_K | BlockType::Q5_0 => unreachable!("no CubeCL kernel for this type (not in TYPES)"),
-    }
-    .expect("quantize")
-}
-
-fn ggml_type(ty: BlockType) -> GgmlType {
-    match ty {
-        BlockType::Q4_0 => GgmlType::Q4_0,
-        BlockType::Q4_1 => GgmlType::Q4_1,
-        BlockType::Q8_0 => GgmlType::Q8_0,
-        BlockType::Q4_K => GgmlType::Q4_K,
-        BlockType::Q5_0 => GgmlType::Q5_0,
-    }
+    common::ggml_quantize(ty, w).expect("TYPES holds only types with a ggml quantizer")
 }
 
 /// Q4_K matrices (CPU kernels only) are refused with an error, not launched.

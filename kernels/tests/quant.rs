@@ -1,28 +1,22 @@
 //! Packed quantized matmul vs a plain reference: dequantize with `deco_formats::ggml` (ggml's
 //! scalar `dequantize_row_*`), then multiply in f64.
 
-use deco_formats::ggml::{self, GgmlType};
+use deco_formats::ggml;
 use deco_kernels::quant::{ActivationPrecision, BlockType, Isa, PackedMatrix, QuantizedActivations, q8_available, set_activation_precision};
 use proptest::prelude::*;
 
-fn ggml_type(ty: BlockType) -> GgmlType {
-    match ty {
-        BlockType::Q4_0 => GgmlType::Q4_0,
-        BlockType::Q4_1 => GgmlType::Q4_1,
-        BlockType::Q8_0 => GgmlType::Q8_0,
-        BlockType::Q4_K => GgmlType::Q4_K,
-        BlockType::Q5_0 => GgmlType::Q5_0,
-    }
-}
+mod common;
+use common::ggml_type;
 
 /// Packed blocks for `w`: ggml's quantizers for the 32-blocks; for Q4_K (no quantizer in
 /// deco-formats) raw blocks with every code, scale and min bit pseudo-random and `d`, `dmin`
 /// set from the magnitude of `w` (the reference then dequantizes these exact bytes).
 fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
+    if let Some(q) = common::ggml_quantize(ty, w) {
+        return q;
+    }
     match ty {
-        BlockType::Q4_0 => ggml::quantize_q4_0(w),
-        BlockType::Q4_1 => ggml::quantize_q4_1(w),
-        BlockType::Q8_0 => ggml::quantize_q8_0(w),
+        BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0 => unreachable!("ggml quantizes these"),
         BlockType::Q4_K => {
             let amax = w.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
             let bits = values(w.len() as u64 ^ w[0].to_bits() as u64, w.len() / 256 * 144, 1.0);
@@ -34,7 +28,7 @@ fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
                 out.extend(dmin.to_bits().to_le_bytes());
                 out.extend(r[4..].iter().map(|v| (v.to_bits() >> 7) as u8));
             }
-            Ok(out)
+            out
         }
         BlockType::Q5_0 => {
             // d = max|w| / 16 per block; codes and 5th bits pseudo-random.
@@ -45,10 +39,9 @@ fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
                 out.extend(half::f16::from_f32(amax / 16.0).to_bits().to_le_bytes());
                 out.extend(r[2..].iter().map(|v| (v.to_bits() >> 7) as u8));
             }
-            Ok(out)
+            out
         }
     }
-    .expect("quantize")
 }
 
 /// Deterministic pseudo-random values in [-scale, scale) (xorshift), with a per-row offset so

@@ -1,0 +1,28 @@
+//! Helpers shared by the kernel test binaries: the GGUF type of each packed block type and
+//! ggml's reference quantizers (from deco-formats).
+
+use deco_formats::ggml::{self, GgmlType};
+use deco_kernels::quant::BlockType;
+
+/// The GGUF / ggml type whose blocks a [`BlockType`] holds.
+pub fn ggml_type(ty: BlockType) -> GgmlType {
+    match ty {
+        BlockType::Q4_0 => GgmlType::Q4_0,
+        BlockType::Q4_1 => GgmlType::Q4_1,
+        BlockType::Q8_0 => GgmlType::Q8_0,
+        BlockType::Q4_K => GgmlType::Q4_K,
+        BlockType::Q5_0 => GgmlType::Q5_0,
+    }
+}
+
+/// `w` quantized by ggml's reference quantizer of `ty`, or `None` for the types deco-formats
+/// has no quantizer for (Q4_K, Q5_0).
+pub fn ggml_quantize(ty: BlockType, w: &[f32]) -> Option<Vec<u8>> {
+    let q = match ty {
+        BlockType::Q4_0 => ggml::quantize_q4_0(w),
+        BlockType::Q4_1 => ggml::quantize_q4_1(w),
+        BlockType::Q8_0 => ggml::quantize_q8_0(w),
+        BlockType::Q4_K | BlockType::Q5_0 => return None,
+    };
+    Some(q.expect("ggml quantizer"))
+}
