@@ -113,6 +113,12 @@ impl BlockType {
         }
     }
 
+    /// Whether the AVX2 kernels (`x86.rs`) handle this type; Q4_K and Q5_0 have scalar and
+    /// AVX-512 kernels only.
+    const fn has_avx2_kernels(self) -> bool {
+        !matches!(self, Self::Q4_K | Self::Q5_0)
+    }
+
     /// Weights per block: 32, or 256 for `Q4_K`. A row length must be a multiple of it.
     pub const fn block_len(self) -> usize {
         match self {
@@ -566,8 +572,7 @@ impl PackedMatrix {
     }
 
     fn matmul_fused(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
-        // Q4_K and Q5_0 have AVX-512 and scalar kernels only.
-        let isa = if matches!(self.ty, BlockType::Q4_K | BlockType::Q5_0) && isa == Isa::Avx2 { Isa::Scalar } else { isa };
+        let isa = if isa == Isa::Avx2 && !self.ty.has_avx2_kernels() { Isa::Scalar } else { isa };
         let cols = self.cols;
         let nb = cols / BLOCK;
         // Per-block sums of x (the `m · Σx` term of Q4_1; the AVX-512 kernel folds `m` into the
@@ -738,7 +743,7 @@ impl PackedMatrix {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: AVX2/FMA/F16C checked; row and o have matching sizes.
-                        Isa::Avx2 | Isa::Avx512 if !matches!(self.ty, BlockType::Q4_K | BlockType::Q5_0) => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
+                        Isa::Avx2 | Isa::Avx512 if self.ty.has_avx2_kernels() => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
                         _ => scalar::dequant_row(self.ty, self.row(r0 + i), o),
                     }
                 }
