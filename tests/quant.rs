@@ -8,7 +8,7 @@
 use deco_quant::awq::{act_mean_abs, apply_clip, scaled_fake_quant, search_clip, search_scale};
 use deco_quant::gptq::{GptqConfig, Hessian, gptq_quantize};
 use deco_quant::nf4::{NF4_CODE, Nf4Tensor, dynamic_map};
-use deco_quant::scheme::{Granularity, Scheme, absmax_int8_rows, find_params, quantize_rtn};
+use deco_quant::scheme::{Granularity, Scheme, absmax_int8_rows, dequantize_value, find_params, find_params_mse, quantize_rtn, quantize_value};
 use deco_quant::smooth::{act_max_abs, outlier_columns, outlier_columns_auto, quant_act_per_token, smooth_scales};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -135,6 +135,75 @@ proptest! {
     }
 }
 
+/// `Σ |q(x) − x|^norm` of one group under `(scale, zero)`.
+fn group_err(v: &[f32], s: f32, z: f32, bits: u32, norm: f64) -> f64 {
+    let maxq = (1u32 << bits) - 1;
+    v.iter().map(|&x| (dequantize_value(quantize_value(x, s, z, maxq), s, z) as f64 - x as f64).abs().powf(norm)).sum()
+}
+
+/// The reference shrink search (IST-DASLab/gptq `quant.py`, `find_params` with `mse=True`),
+/// written out over the same grid in f64 from the group's own min/max.
+fn reference_mse_params(v: &[f32], bits: u32, sym: bool, norm: f64) -> (f32, f32) {
+    let maxq = ((1u32 << bits) - 1) as f64;
+    let xmin = v.iter().fold(0.0f64, |m, &x| m.min(x as f64));
+    let xmax = v.iter().fold(0.0f64, |m, &x| m.max(x as f64));
+    let (xmin, xmax) = if sym {
+        let a = xmax.max(-xmin);
+        (if xmin < 0.0 { -a } else { xmin }, a)
+    } else {
+        (xmin, xmax)
+    };
+    let (mut best, mut bs, mut bz) = (f64::INFINITY, 0.0f32, 0.0f32);
+    for i in 0..80 {
+        let p = 1.0 - i as f64 / 100.0;
+        let s = ((p * xmax - p * xmin) / maxq) as f32;
+        let z = if sym { ((maxq + 1.0) / 2.0) as f32 } else { (-(p * xmin) / s as f64).round_ties_even().clamp(0.0, maxq) as f32 };
+        let e = group_err(v, s, z, bits, norm);
+        if e < best {
+            (best, bs, bz) = (e, s, z);
+        }
+    }
+    (bs, bz)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// The shrink search never does worse than min-max on its own objective (p = 1 is
+    /// min-max), picks what the reference loop picks, and returns a valid scale / zero.
+    #[test]
+    fn mse_params_never_worse_than_minmax_and_match_reference(
+        seed: u64, n in 2usize..160, bits_i in 0usize..3, sym: bool, outlier in 0.0f32..20.0,
+    ) {
+        let bits = [2u32, 3, 4][bits_i];
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut v = randn(&mut rng, n);
+        v[0] *= 1.0 + outlier;
+        let (s0, z0) = find_params(v.iter().copied(), bits, sym);
+        let (s, z) = find_params_mse(&v, bits, sym, 2.4, 100, 0.8);
+        prop_assert!(s > 0.0 && s.is_finite() && z >= 0.0 && z <= ((1u32 << bits) - 1) as f32 && z.fract() == 0.0);
+        let (e0, e) = (group_err(&v, s0, z0, bits, 2.4), group_err(&v, s, z, bits, 2.4));
+        prop_assert!(e <= e0 * (1.0 + 1e-12), "mse search {e} worse than min-max {e0}");
+        let (rs, rz) = reference_mse_params(&v, bits, sym, 2.4);
+        prop_assert_eq!((s, z), (rs, rz));
+    }
+}
+
+#[test]
+fn mse_params_shrink_an_outlier_group() {
+    // 127 values evenly in [-1, 1) and one at 1.6: the search (norm 2.4) shrinks the range to
+    // p = 0.93 and clips the outlier, lowering the total error (worked out by hand over the
+    // grid: Σ|e|^2.4 0.1116 -> 0.0963; squared error -13%).
+    let mut v: Vec<f32> = (0..127).map(|i| (i as f32 / 63.5) - 1.0).collect();
+    v.push(1.6);
+    let (s0, z0) = find_params(v.iter().copied(), 4, false);
+    let (s, z) = find_params_mse(&v, 4, false, 2.4, 100, 0.8);
+    assert!((s / s0 - 0.93).abs() < 1e-4, "scale {s} vs min-max {s0}: want the p = 0.93 step");
+    assert!((group_err(&v, s, z, 4, 2.4) - 0.0963).abs() < 1e-3 && (group_err(&v, s0, z0, 4, 2.4) - 0.1116).abs() < 1e-3);
+    assert!(group_err(&v, s, z, 4, 2.0) < 0.9 * group_err(&v, s0, z0, 4, 2.0));
+    // A group of zeros keeps find_params' (-1, 1) range.
+    assert_eq!(find_params_mse(&[0.0; 8], 4, false, 2.4, 100, 0.8), find_params([0.0f32; 8], 4, false));
+}
+
 #[test]
 fn rtn_hand_computed_4bit() {
     // Row [-1, 0, 0.5, 2]: asym: xmin=-1, xmax=2, scale=3/15=0.2, zero=round(5)=5.
@@ -186,7 +255,10 @@ fn gauss_jordan_inverse(a: &[f64], n: usize) -> Vec<f64> {
 /// The paper's Algorithm 1 without lazy batching or Cholesky: quantize column `j` (in `order`),
 /// spread its error with the inverse Hessian of the not-yet-quantized columns (OBS update,
 /// eq. 2–3), remove `j` from that inverse. Returns dequantized weights.
-fn reference_gptq(w: &[f32], rows: usize, cols: usize, h: &[f64], bits: u32, group: Option<usize>, desc_act: bool) -> Vec<f32> {
+/// `mse`: group parameters from the reference shrink search ([`reference_mse_params`], norm
+/// 2.4) instead of min-max.
+#[allow(clippy::too_many_arguments)] // the weight, its shape, the Hessian and four options
+fn reference_gptq(w: &[f32], rows: usize, cols: usize, h: &[f64], bits: u32, group: Option<usize>, desc_act: bool, mse: bool) -> Vec<f32> {
     let n = cols;
     let mut h = h.to_vec();
     let mut wm: Vec<f64> = w.iter().map(|&v| v as f64).collect();
@@ -209,7 +281,8 @@ fn reference_gptq(w: &[f32], rows: usize, cols: usize, h: &[f64], bits: u32, gro
     let mut hinv = gauss_jordan_inverse(&h, n);
     let maxq = ((1u32 << bits) - 1) as f64;
     let params = |vals: Vec<f64>| -> (f64, f64) {
-        let (s, z) = find_params(vals.iter().map(|&v| v as f32), bits, true);
+        let v32: Vec<f32> = vals.iter().map(|&v| v as f32).collect();
+        let (s, z) = if mse { reference_mse_params(&v32, bits, true, 2.4) } else { find_params(v32.iter().copied(), bits, true) };
         (s as f64, z as f64)
     };
     let mut p: Vec<(f64, f64)> = (0..rows).map(|r| params(order.iter().map(|&c| wm[r * n + c]).collect())).collect();
@@ -271,14 +344,37 @@ fn gptq_matches_algorithm_1() {
     let w = randn(&mut rng, rows * cols);
     let h = hessian_of(&x, tokens, cols);
     for (group, desc_act) in [(None, false), (Some(8), false), (None, true), (Some(8), true)] {
-        let cfg = GptqConfig { bits: 3, group_size: group, sym: true, damp_percent: 0.01, desc_act, static_groups: false, blocksize: 8 };
+        let cfg = GptqConfig { bits: 3, group_size: group, sym: true, damp_percent: 0.01, desc_act, static_groups: false, blocksize: 8, mse: 0.0 };
         let got = gptq_quantize(&w, rows, cols, &h, &cfg).unwrap().q.dequantize();
-        let want = reference_gptq(&w, rows, cols, &h.h, 3, group, desc_act);
+        let want = reference_gptq(&w, rows, cols, &h.h, 3, group, desc_act, false);
         let max = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(max < 1e-4, "group {group:?} desc_act {desc_act}: max diff {max}");
         // Not RTN: GPTQ moves some weights to another code than plain rounding.
         let rtn = quantize_rtn(&w, rows, cols, &Scheme { bits: 3, sym: true, granularity: group.map_or(Granularity::PerChannel, Granularity::PerGroup) }).unwrap().dequantize();
         assert!(got.iter().zip(&rtn).any(|(a, b)| a != b));
+    }
+}
+
+/// GPTQ with the MSE scale/zero search (`mse = 2.4`) against Algorithm 1 with the reference's
+/// shrink search at each group start; and the search lowers the layer's output error.
+#[test]
+fn gptq_mse_matches_algorithm_1() {
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let (rows, cols, tokens) = (6, 24, 64);
+    let x = correlated_x(&mut rng, tokens, cols);
+    let w = randn(&mut rng, rows * cols);
+    let h = hessian_of(&x, tokens, cols);
+    for desc_act in [false, true] {
+        let cfg = GptqConfig { bits: 3, group_size: Some(8), sym: true, desc_act, blocksize: 8, mse: 2.4, ..GptqConfig::default() };
+        let got = gptq_quantize(&w, rows, cols, &h, &cfg).unwrap().q.dequantize();
+        let want = reference_gptq(&w, rows, cols, &h.h, 3, Some(8), desc_act, true);
+        let max = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(max < 1e-4, "desc_act {desc_act}: max diff {max}");
+        let plain = gptq_quantize(&w, rows, cols, &h, &GptqConfig { mse: 0.0, ..cfg }).unwrap().q.dequantize();
+        assert!(got != plain, "the search changed no parameter");
+    }
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        assert!(gptq_quantize(&w, rows, cols, &h, &GptqConfig { mse: bad, ..GptqConfig::default() }).is_err(), "mse {bad}");
     }
 }
 
@@ -293,7 +389,7 @@ fn gptq_ragged_groups_match_algorithm_1() {
     let w = randn(&mut rng, rows * cols);
     let h = hessian_of(&x, tokens, cols);
     for desc_act in [false, true] {
-        let cfg = GptqConfig { bits: 3, group_size: Some(8), sym: true, damp_percent: 0.01, desc_act, static_groups: false, blocksize: 8 };
+        let cfg = GptqConfig { bits: 3, group_size: Some(8), sym: true, damp_percent: 0.01, desc_act, static_groups: false, blocksize: 8, mse: 0.0 };
         let r = gptq_quantize(&w, rows, cols, &h, &cfg).unwrap();
         assert_eq!(r.q.groups(), 3);
         assert_eq!(r.q.scales.len(), rows * 3);
@@ -306,13 +402,13 @@ fn gptq_ragged_groups_match_algorithm_1() {
             assert_eq!(r.q.g_idx, (0..cols as u32).map(|c| c / 8).collect::<Vec<_>>());
         }
         let got = r.q.dequantize();
-        let want = reference_gptq(&w, rows, cols, &h.h, 3, Some(8), desc_act);
+        let want = reference_gptq(&w, rows, cols, &h.h, 3, Some(8), desc_act, false);
         let max = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         let bad: Vec<usize> = got.iter().zip(&want).enumerate().filter(|(_, (a, b))| (*a - *b).abs() > 1e-4).map(|(i, _)| i).collect();
         assert!(max < 1e-4, "desc_act {desc_act}: max diff {max} at {bad:?}");
     }
     // Static groups: the ragged last group's parameters are RTN's on the original weights.
-    let cfg = GptqConfig { bits: 4, group_size: Some(8), sym: false, desc_act: true, static_groups: true, blocksize: 8, damp_percent: 0.01 };
+    let cfg = GptqConfig { bits: 4, group_size: Some(8), sym: false, desc_act: true, static_groups: true, blocksize: 8, damp_percent: 0.01, mse: 0.0 };
     let r = gptq_quantize(&w, rows, cols, &h, &cfg).unwrap();
     let rtn = deco_quant::scheme::quantize_rtn_ragged(&w, rows, cols, &Scheme { bits: 4, sym: false, granularity: Granularity::PerGroup(8) }).unwrap();
     assert_eq!(r.q.scales, rtn.scales);
@@ -328,7 +424,7 @@ fn gptq_desc_act_g_idx_and_static_groups() {
     let h = hessian_of(&x, tokens, cols);
     let mut order: Vec<usize> = (0..cols).collect();
     order.sort_by(|&a, &b| h.h[b * cols + b].total_cmp(&h.h[a * cols + a]));
-    let cfg = GptqConfig { bits: 4, group_size: Some(4), sym: false, damp_percent: 0.01, desc_act: true, static_groups: false, blocksize: 4 };
+    let cfg = GptqConfig { bits: 4, group_size: Some(4), sym: false, damp_percent: 0.01, desc_act: true, static_groups: false, blocksize: 4, mse: 0.0 };
     let r = gptq_quantize(&w, rows, cols, &h, &cfg).unwrap();
     for (pos, &c) in order.iter().enumerate() {
         assert_eq!(r.q.g_idx[c] as usize, pos / 4, "column {c}");

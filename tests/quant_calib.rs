@@ -133,7 +133,7 @@ fn quant_table() {
     println!("|---|---|---|---|---|---|---|---|");
     println!("| f32 | - | 32 | {:.3} | {:.3} | 0 | 1 | - |", e.ppl[0], e.ppl[1]);
     let only = std::env::var("DECO_QUANT_ONLY").ok();
-    let g = |bits, group_size| GptqConfig { bits, group_size, sym: false, damp_percent: 0.01, desc_act: false, static_groups: false, blocksize: 128 };
+    let g = |bits, group_size| GptqConfig { bits, group_size, sym: false, damp_percent: 0.01, desc_act: false, static_groups: false, blocksize: 128, mse: 0.0 };
     let runs: Vec<(&str, &str, Method, Scheme)> = vec![
         ("rtn", "W8 per-channel", Method::Rtn, Scheme { bits: 8, sym: false, granularity: Granularity::PerChannel }),
         ("gptq", "W8 per-channel", Method::Gptq(g(8, None)), Scheme { bits: 8, sym: false, granularity: Granularity::PerChannel }),

@@ -119,7 +119,14 @@ fn configs() -> Vec<(&'static str, String, Vec<String>)> {
         v.push((
             "gptq",
             format!("{scheme} act-order"),
-            vec![s("--method"), s("gptq"), s("--bits"), s(bits), s("--group-size"), s(gs), s("--asym"), s("--desc-act")],
+            vec![s("--method"), s("gptq"), s("--bits"), s(bits), s("--group-size"), s(gs), s("--asym"), s("--desc-act"), s("--mse"), s(0)],
+        ));
+        // + the MSE-optimal scale/zero search of GPTQModel's `mse` option (norm 2.4, deco's
+        // default; the plain `gptq` rows have it too, the `act-order` row is min-max).
+        v.push((
+            "gptq",
+            format!("{scheme} act-order mse"),
+            vec![s("--method"), s("gptq"), s("--bits"), s(bits), s("--group-size"), s(gs), s("--asym"), s("--desc-act"), s("--mse"), s(2.4)],
         ));
     }
     v.push(("smoothquant", "W8A8 α=0.5".into(), vec![s("--method"), s("smoothquant"), s("--bits"), s(8), s("--alpha"), s(0.5)]));

@@ -12,6 +12,7 @@ mod ppl;
 mod prune;
 mod quantize;
 mod kld;
+mod layer_error;
 mod runtime;
 mod serve;
 
@@ -70,6 +71,9 @@ enum EvalCommand {
     Kld(kld::KldArgs),
     /// Early exit vs the full model, teacher-forced: both perplexities, top-1 agreement, layers skipped.
     EarlyExit(early_exit_eval::EarlyExitEvalArgs),
+    /// Per-layer relative output error of quantized models against their base, on the base
+    /// model's activations of a (held-out) text.
+    LayerError(layer_error::LayerErrorArgs),
 }
 
 /// Options shared by the commands that load a model.
@@ -118,6 +122,7 @@ fn main() -> ExitCode {
         Command::Autodeco(cmd) => autodeco::run(&cmd),
         Command::Eval(EvalCommand::Kld(args)) => kld::run(&args),
         Command::Eval(EvalCommand::EarlyExit(args)) => early_exit_eval::run(&args),
+        Command::Eval(EvalCommand::LayerError(args)) => layer_error::run(&args),
         Command::Quantize(args) => quantize::run(&args),
     };
     match result {

@@ -101,6 +101,11 @@ pub struct QuantizeArgs {
     /// GPTQ dampening, fraction of the mean Hessian diagonal.
     #[arg(long, default_value_t = 0.01)]
     damp_percent: f64,
+    /// GPTQ: MSE-optimal scale/zero search per group (GPTQModel's `mse`): the norm p of the
+    /// shrink search's sum |q(x) - x|^p (2.4, the reference's); 0 = min-max parameters.
+    /// Default 2.4 (GPTQModel's default is 0; see docs/quantization.md for why deco differs).
+    #[arg(long)]
+    mse: Option<f64>,
     /// SmoothQuant migration strength alpha in [0, 1].
     #[arg(long, default_value_t = 0.5)]
     alpha: f64,
@@ -123,9 +128,12 @@ pub struct QuantizeArgs {
     /// Seed of the calibration window starts.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// UTF-8 calibration text (GPTQ, AWQ, SmoothQuant, --auto-outliers).
+    /// UTF-8 calibration text (GPTQ, AWQ, SmoothQuant, --auto-outliers). Repeat for a mixed
+    /// corpus: the --nsamples windows are split evenly over the files (the first files get the
+    /// remainder), each file's window starts drawn with seed --seed + its index. Default: the
+    /// mixed corpus wiki_train.txt + shakespeare/train.txt from `cargo xtask fetch`'s cache.
     #[arg(long)]
-    calib: Option<PathBuf>,
+    calib: Vec<PathBuf>,
     /// Output format.
     #[arg(long, value_enum)]
     format: FormatArg,
@@ -219,13 +227,36 @@ fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Res
         }
     }
     if needs_calib(args) {
-        ensure!(args.calib.is_some(), "--method {:?} needs --calib FILE (calibration text)", args.method);
+        let files = if args.calib.is_empty() { DEFAULT_CALIB.len() } else { args.calib.len() };
+        ensure!(
+            args.nsamples >= files,
+            "--nsamples {} is fewer than the {files} calibration files (at least one window per file)",
+            args.nsamples
+        );
     }
     if args.method != MethodArg::Gptq && (args.desc_act || args.static_groups) {
         bail!("--desc-act / --static-groups apply to --method gptq only");
     }
+    if let Some(m) = args.mse {
+        ensure!(args.method == MethodArg::Gptq, "--mse applies to --method gptq only");
+        ensure!(m >= 0.0 && m.is_finite(), "--mse {m} must be 0 (off) or a positive norm such as 2.4");
+    }
     Ok(())
 }
+
+/// The default calibration corpus (paths under the data cache): general text of two registers,
+/// so that GPTQ's Hessians are not those of one domain (docs/quantization.md: calibrating on
+/// wiki alone leaves GPTQ barely ahead of RTN on Shakespeare; the mix wins on both and on an
+/// unseen third text).
+const DEFAULT_CALIB: [&str; 2] = ["wiki_train.txt", "shakespeare/train.txt"];
+
+/// GPTQ's default `--mse` norm (the reference `Quantizer`'s 2.4).
+const GPTQ_DEFAULT_MSE: f64 = 2.4;
+
+/// Fewest calibration tokens per input feature of the widest linear below which `deco quantize`
+/// warns that GPTQ will over-fit (measured on SmolLM2's down_proj: at 2.7 tokens per input
+/// GPTQ's held-out output error exceeds RTN's, at 21 it is 17% below; docs/quantization.md).
+const GPTQ_MIN_TOKENS_PER_INPUT: f64 = 16.0;
 
 fn needs_calib(args: &QuantizeArgs) -> bool {
     matches!(args.method, MethodArg::Gptq | MethodArg::Awq | MethodArg::Smoothquant) || (args.method == MethodArg::Int8 && args.auto_outliers)
@@ -261,17 +292,43 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             desc_act: args.desc_act,
             static_groups: args.static_groups,
             blocksize: 128,
+            mse: args.mse.unwrap_or(GPTQ_DEFAULT_MSE),
         }),
     };
-    let windows = match &args.calib {
-        Some(path) if needs_calib(args) => {
+    let mut windows = Vec::new();
+    if needs_calib(args) {
+        let calib: Vec<PathBuf> = if args.calib.is_empty() {
+            let files = DEFAULT_CALIB.iter().map(|rel| crate::runtime::data_file(&args.model, rel, "--calib FILE")).collect::<Result<Vec<_>>>()?;
+            eprintln!("calibration: {} (default mixed corpus; --calib FILE to choose)", files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(" + "));
+            files
+        } else {
+            args.calib.clone()
+        };
+        let k = calib.len();
+        for (i, path) in calib.iter().enumerate() {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading calibration text {}", path.display()))?;
             ensure!(!text.trim().is_empty(), "--calib {}: the calibration text is empty", path.display());
             let ids = tok.encode_with(&text, false, true)?;
-            calibration_windows(&ids, args.nsamples, args.seqlen, args.seed).with_context(|| format!("calibration text {}", path.display()))?
+            let n = args.nsamples / k + usize::from(i < args.nsamples % k);
+            windows.extend(
+                calibration_windows(&ids, n, args.seqlen, args.seed + i as u64).with_context(|| format!("calibration text {}", path.display()))?,
+            );
         }
-        _ => Vec::new(),
-    };
+    }
+    if args.method == MethodArg::Gptq {
+        // GPTQ's compensation is a least-squares fit to the Hessian of each linear's inputs;
+        // with few calibration tokens per input feature it fits noise (docs/quantization.md,
+        // "GPTQ vs RTN on unseen text": down_proj of SmolLM2 at 4,096 tokens for 1,536 inputs).
+        let tokens: usize = windows.iter().map(Vec::len).sum();
+        let widest = cfg.intermediate_size.max(cfg.hidden_size).max(cfg.num_attention_heads * cfg.head_dim);
+        let per = tokens as f64 / widest as f64;
+        if per < GPTQ_MIN_TOKENS_PER_INPUT {
+            eprintln!(
+                "warning: GPTQ calibration has {tokens} tokens for linears of up to {widest} inputs ({per:.1} tokens per input, < {GPTQ_MIN_TOKENS_PER_INPUT}): \
+                 the error compensation will over-fit the calibration text; raise --nsamples / --seqlen (see docs/quantization.md)"
+            );
+        }
+    }
     let layers = cfg.num_hidden_layers;
     let ggml = match args.format {
         FormatArg::GgufQ8_0 => Some(GgmlType::Q8_0),

@@ -194,3 +194,22 @@ fn out_of_range_sampling_parameter_is_a_clear_error() {
     let o = deco(&["generate", "--model", model.to_str().expect("path"), "--prompt", "hi", "--top-p", "1.5"]);
     assert_clean_error(&o, &["top_p", "1.5"]);
 }
+
+#[test]
+fn quantize_refuses_gptq_options_it_cannot_honour() {
+    let model = smollm2_gguf();
+    let m = model.to_str().expect("path");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("q");
+    let o = out.to_str().expect("path");
+    let base = ["quantize", "--model", m, "--format", "fake", "--out", o];
+    // --mse is GPTQ's scale search: refused for RTN, and a norm must be finite and >= 0.
+    let r = deco(&[&base[..], &["--method", "rtn", "--mse", "2.4"]].concat());
+    assert_clean_error(&r, &["--mse", "gptq"]);
+    let r = deco(&[&base[..], &["--method", "gptq", "--mse", "-1"]].concat());
+    assert_clean_error(&r, &["--mse", "-1"]);
+    // The default calibration mix has two files: one window cannot cover both.
+    let r = deco(&[&base[..], &["--method", "gptq", "--nsamples", "1"]].concat());
+    assert_clean_error(&r, &["--nsamples 1", "2 calibration files"]);
+    assert!(!out.exists(), "no output may be written on a refused command");
+}

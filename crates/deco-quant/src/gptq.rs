@@ -1,8 +1,11 @@
 //! GPTQ (Frantar et al. 2023, "GPTQ: Accurate Post-Training Quantization for Generative
 //! Pre-trained Transformers", Algorithm 1), following IST-DASLab/gptq `GPTQ.fasterquant` and
-//! AutoGPTQ's `g_idx` bookkeeping.
+//! AutoGPTQ's `g_idx` bookkeeping; optionally with the reference `Quantizer`'s MSE-optimal
+//! scale/zero search per group (`mse`, GPTQModel's option of the same name).
 
-use crate::scheme::{QuantizedTensor, dequantize_value, find_params, quantize_value};
+use rayon::prelude::*;
+
+use crate::scheme::{QuantizedTensor, dequantize_value, find_params, find_params_mse, quantize_value};
 use crate::{Error, Result, invalid};
 
 /// Running estimate of a linear layer's Hessian `H = 2 X Xᵀ / n` (`[in, in]`, f64) over `n`
@@ -88,11 +91,15 @@ pub struct GptqConfig {
     pub static_groups: bool,
     /// Columns per lazy batch update (128).
     pub blocksize: usize,
+    /// MSE-optimal scale/zero search per group (GPTQModel's `mse`, gptq `Quantizer(mse=True)`):
+    /// the norm `p` of the shrink search's `Σ |q(x) − x|^p` objective (2.4 in the reference);
+    /// `0.0` = plain min-max parameters ([`find_params`]). See [`find_params_mse`].
+    pub mse: f64,
 }
 
 impl Default for GptqConfig {
     fn default() -> Self {
-        Self { bits: 4, group_size: Some(128), sym: true, damp_percent: 0.01, desc_act: false, static_groups: false, blocksize: 128 }
+        Self { bits: 4, group_size: Some(128), sym: true, damp_percent: 0.01, desc_act: false, static_groups: false, blocksize: 128, mse: 0.0 }
     }
 }
 
@@ -123,7 +130,8 @@ pub struct GptqResult {
 /// `W[:, i:i + groupsize]`, which is short at the end.
 ///
 /// # Errors
-/// Invalid `bits` / `group_size` (0) / `blocksize` / `damp_percent`,
+/// Invalid `bits` / `group_size` (0) / `blocksize` / `damp_percent` / `mse` (negative or not
+/// finite),
 /// shape mismatches, [`Error::NotPositiveDefinite`].
 pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg: &GptqConfig) -> Result<GptqResult> {
     crate::scheme::check_bits(cfg.bits)?;
@@ -158,12 +166,20 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
             }
         }
     }
+    if !(cfg.mse >= 0.0 && cfg.mse.is_finite()) {
+        return Err(invalid("mse", format!("{} must be 0 (off) or a positive norm such as 2.4", cfg.mse)));
+    }
     let row_params = |wm: &[f64], r: usize, c0: usize, c1: usize| -> (f32, f32) {
-        find_params(wm[r * n + c0..r * n + c1].iter().map(|&v| v as f32), cfg.bits, cfg.sym)
+        if cfg.mse > 0.0 {
+            let v: Vec<f32> = wm[r * n + c0..r * n + c1].iter().map(|&v| v as f32).collect();
+            find_params_mse(&v, cfg.bits, cfg.sym, cfg.mse, 100, 0.8)
+        } else {
+            find_params(wm[r * n + c0..r * n + c1].iter().map(|&v| v as f32), cfg.bits, cfg.sym)
+        }
     };
     // Static groups: parameters per original group from the (dead-column-zeroed) weights.
     let static_params: Option<Vec<Vec<(f32, f32)>>> = (grouped && cfg.static_groups)
-        .then(|| (0..n.div_ceil(gs)).map(|g| (0..rows).map(|r| row_params(&wm, r, g * gs, ((g + 1) * gs).min(n))).collect()).collect());
+        .then(|| (0..n.div_ceil(gs)).map(|g| (0..rows).into_par_iter().map(|r| row_params(&wm, r, g * gs, ((g + 1) * gs).min(n))).collect()).collect());
     let perm: Vec<usize> = if cfg.desc_act {
         let mut p: Vec<usize> = (0..n).collect();
         // torch.argsort(descending=True) is not stable; a stable order is one valid choice.
@@ -194,7 +210,7 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     let hinv = crate::linalg::inverse_upper_cholesky(&h, n)?;
 
     // Parameters in permuted column order, one (scale, zero) per row for each column's group.
-    let mut cur: Vec<(f32, f32)> = if grouped { vec![(1.0, 0.0); rows] } else { (0..rows).map(|r| row_params(&wm, r, 0, n)).collect() };
+    let mut cur: Vec<(f32, f32)> = if grouped { vec![(1.0, 0.0); rows] } else { (0..rows).into_par_iter().map(|r| row_params(&wm, r, 0, n)).collect() };
     let mut group_params: Vec<Vec<(f32, f32)>> = Vec::new();
     if !grouped {
         group_params.push(cur.clone());
@@ -226,9 +242,9 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
                     col_group[col] = g as u32;
                 } else {
                     if col % gs == 0 {
-                        for (r, c) in cur.iter_mut().enumerate() {
-                            *c = row_params(&wm, r, col, (col + gs).min(n));
-                        }
+                        // Rows are independent (one parameter pair each): in parallel, since
+                        // the MSE search costs ~80 quantizations of the group per row.
+                        cur = (0..rows).into_par_iter().map(|r| row_params(&wm, r, col, (col + gs).min(n))).collect();
                         group_params.push(cur.clone());
                     }
                     col_group[col] = (col / gs) as u32;

@@ -503,3 +503,82 @@ pub fn quantize_model(
     }
     Ok(out)
 }
+
+/// Output error of one decoder linear under each candidate weight set (see
+/// [`layer_output_errors`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearError {
+    /// Decoder layer index.
+    pub layer: usize,
+    /// Which linear.
+    pub linear: Linear,
+    /// `‖X (W − Ŵ_c)ᵀ‖²_F / ‖X Wᵀ‖²_F` for each candidate `c` (unitless, 0 = exact).
+    pub rel: Vec<f64>,
+}
+
+/// `Σ_r d_r G d_rᵀ` for the rows `d_r` of `d` (`[rows, cols]`) and a symmetric Gram matrix `g`
+/// (`[cols, cols]`): `‖X dᵀ‖²_F` when `g = XᵀX`.
+fn quad_form_rows(d: &[f64], rows: usize, cols: usize, g: &[f64]) -> f64 {
+    let mut dg = vec![0.0f64; rows * cols];
+    // SAFETY: d is [rows, cols], g [cols, cols], dg [rows, cols], all row-major and in bounds.
+    unsafe {
+        matrixmultiply::dgemm(
+            rows, cols, cols, 1.0, d.as_ptr(), cols as isize, 1, g.as_ptr(), cols as isize, 1, 0.0, dg.as_mut_ptr(), cols as isize, 1,
+        );
+    }
+    dg.iter().zip(d).map(|(a, b)| a * b).sum()
+}
+
+/// Per-layer, per-linear relative output error of quantized weight sets against the base, on
+/// the **base model's** activations of `windows` (the full-precision inputs of every linear,
+/// layer by layer; nothing quantized is fed forward, so every linear is judged on the same
+/// inputs). This is the diagnostic of issue 20: run it on held-out text to see, layer by
+/// layer, where a quantizer's error exceeds another's (GPTQ vs RTN), and on the calibration
+/// windows to see its in-sample error.
+///
+/// The error of linear `W` (`[out, in]`) with candidate `Ŵ` on inputs `X` (`[tokens, in]`) is
+/// `‖X (W − Ŵ)ᵀ‖²_F / ‖X Wᵀ‖²_F`, computed exactly from the Gram matrix `XᵀX` in f64.
+///
+/// # Errors
+/// Missing tensors in `base` or a candidate; [`Error::Calibration`] without windows.
+pub fn layer_output_errors(
+    cfg: &ModelConfig,
+    base: &TensorFn<'_>,
+    candidates: &[&TensorFn<'_>],
+    device: &Device,
+    windows: &[Vec<u32>],
+    progress: &mut dyn FnMut(usize),
+) -> Result<Vec<LinearError>> {
+    if windows.is_empty() || windows.iter().all(Vec::is_empty) {
+        return Err(Error::Calibration("the layer error needs at least one non-empty window".into()));
+    }
+    let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
+    let c = Calibrator::new(cfg, device, &lens)?;
+    let (_, embed) = base("model.embed_tokens.weight")?;
+    let mut x = c.embed(&embed, windows)?;
+    let mut out = Vec::new();
+    for li in 0..cfg.num_hidden_layers {
+        let lw = LayerWeights::fetch(cfg, li, base)?;
+        let cands: Vec<LayerWeights> = candidates.iter().map(|t| LayerWeights::fetch(cfg, li, t)).collect::<deco_model::Result<_>>()?;
+        let dl = c.upload(&lw);
+        let (inputs, y) = c.layer_capture(&dl, x);
+        let grams: Vec<Vec<f64>> = inputs.iter().map(gram).collect::<Result<_>>()?;
+        for l in Linear::ALL {
+            let (rows, cols) = l.dims(cfg);
+            let g = &grams[l.site() as usize];
+            let w: Vec<f64> = lw.linear(l).iter().map(|&v| v as f64).collect();
+            let norm = quad_form_rows(&w, rows, cols, g);
+            let rel = cands
+                .iter()
+                .map(|cw| {
+                    let d: Vec<f64> = lw.linear(l).iter().zip(cw.linear(l)).map(|(&a, &b)| a as f64 - b as f64).collect();
+                    quad_form_rows(&d, rows, cols, g) / norm
+                })
+                .collect();
+            out.push(LinearError { layer: li, linear: l, rel });
+        }
+        x = y;
+        progress(li);
+    }
+    Ok(out)
+}

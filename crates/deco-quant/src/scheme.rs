@@ -108,6 +108,60 @@ pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) 
     (scale, zero as f32)
 }
 
+/// Scale and zero point of one group chosen by a shrink search on the range (IST-DASLab/gptq
+/// `Quantizer.find_params` with `mse=True`, GPTQModel's `mse` option): starting from the
+/// [`find_params`] range `[xmin, xmax]`, try `[p·xmin, p·xmax]` for `p = 1 − i/grid`,
+/// `i = 0..⌊maxshrink·grid⌋` (the reference's `grid = 100`, `maxshrink = 0.8`), and keep the one
+/// with the smallest `Σ |q(x) − x|^norm` (`norm = 2.4` in the reference). Ties keep the larger
+/// range (the reference's strict `err < best`). Symmetric schemes keep the mid-point zero.
+///
+/// `values` is read twice, so it is a slice. Returns `(scale, zero)` like [`find_params`];
+/// with `p = 1` the candidate is exactly [`find_params`]'s, so the search never does worse than
+/// min-max on its own objective.
+pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: usize, maxshrink: f64) -> (f32, f32) {
+    let (s0, z0) = find_params(values.iter().copied(), bits, sym);
+    let maxq = ((1u32 << bits) - 1) as f64;
+    // The range find_params used (recovered exactly as the reference keeps xmin / xmax).
+    let (mut lo, mut hi) = (0.0f64, 0.0f64);
+    for &v in values {
+        lo = lo.min(v as f64);
+        hi = hi.max(v as f64);
+    }
+    if sym {
+        hi = hi.max(-lo);
+        if lo < 0.0 {
+            lo = -hi;
+        }
+    }
+    if lo == 0.0 && hi == 0.0 {
+        return (s0, z0);
+    }
+    let err_of = |s: f32, z: f32| -> f64 {
+        values
+            .iter()
+            .map(|&x| (dequantize_value(quantize_value(x, s, z, maxq as u32), s, z) as f64 - x as f64).abs().powf(norm))
+            .sum()
+    };
+    let (mut best_s, mut best_z, mut best) = (s0, z0, f64::INFINITY);
+    let steps = (maxshrink * grid as f64) as usize;
+    for i in 0..steps {
+        let p = 1.0 - i as f64 / grid as f64;
+        let (l1, h1) = (p * lo, p * hi);
+        let s1 = ((h1 - l1) / maxq) as f32;
+        if !(s1 > 0.0 && s1.is_finite()) {
+            continue;
+        }
+        let z1 = if sym { z0 } else { (-l1 / s1 as f64).round_ties_even().clamp(0.0, maxq) as f32 };
+        let e = err_of(s1, z1);
+        if e < best {
+            best = e;
+            best_s = s1;
+            best_z = z1;
+        }
+    }
+    (best_s, best_z)
+}
+
 /// The code of `x` (AutoGPTQ `quantize`): `clamp(round_half_even(x / scale) + zero, 0, maxq)`.
 #[inline]
 pub fn quantize_value(x: f32, scale: f32, zero: f32, maxq: u32) -> u8 {

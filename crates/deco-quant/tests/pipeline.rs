@@ -216,3 +216,64 @@ fn bad_parameters_are_named() {
     assert!(matches!(empty, Err(Error::Calibration(_))));
     assert!(ActQuant::from_json(&serde_json::json!({"activations": "per_token_int8", "outliers": "threshold"})).is_err());
 }
+
+/// `layer_output_errors` against two independent references: a candidate that scales one
+/// linear by `1 + ε` has relative error exactly `ε²` there and 0 elsewhere; and for an RTN model
+/// the error equals `‖X (W − Q)ᵀ‖² / ‖X Wᵀ‖²` with `X` captured from the base model's layers and
+/// the products written out in f64.
+#[test]
+fn layer_output_errors_match_direct_products() {
+    use deco_quant::pipeline::layer_output_errors;
+    let f = Fixture::new();
+    let src = f.src();
+    let eps = 0.01f32;
+    let target = "model.layers.1.mlp.down_proj.weight";
+    let scaled = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> {
+        let (s, mut d) = src(n)?;
+        if n == target {
+            d.iter_mut().for_each(|v| *v *= 1.0 + eps);
+        }
+        Ok((s, d))
+    };
+    let s4 = Scheme { bits: 4, sym: false, granularity: Granularity::PerGroup(32) };
+    let rtn = f.quantize(&Method::Rtn, &s4).unwrap();
+    let rtn_src = rtn.source(&src);
+    let rows = layer_output_errors(&f.cfg, &src, &[&scaled, &rtn_src], &f.dev, &f.eval, &mut |_| {}).unwrap();
+    assert_eq!(rows.len(), 7 * LAYERS);
+    // Direct: capture each layer's site inputs from the base model, then the products.
+    let lens: Vec<usize> = f.eval.iter().map(Vec::len).collect();
+    let c = Calibrator::new(&f.cfg, &f.dev, &lens).unwrap();
+    let (_, embed) = src("model.embed_tokens.weight").unwrap();
+    let mut x = c.embed(&embed, &f.eval).unwrap();
+    let n = c.tokens();
+    for li in 0..LAYERS {
+        let lw = LayerWeights::fetch(&f.cfg, li, &src).unwrap();
+        let (inputs, y) = c.layer_capture(&c.upload(&lw), x);
+        for l in Linear::ALL {
+            let (o, i) = l.dims(&f.cfg);
+            let xin = to_host(inputs[l.site() as usize].clone()).unwrap();
+            let w = lw.linear(l);
+            let q = &rtn.linears[&format!("model.layers.{li}.{}.weight", l.hf_suffix())];
+            let (mut num, mut den) = (0.0f64, 0.0f64);
+            for t in 0..n {
+                for r in 0..o {
+                    let (mut a, mut b) = (0.0f64, 0.0f64);
+                    for k in 0..i {
+                        let xv = xin[t * i + k] as f64;
+                        a += xv * w[r * i + k] as f64;
+                        b += xv * q[r * i + k] as f64;
+                    }
+                    den += a * a;
+                    num += (a - b) * (a - b);
+                }
+            }
+            let row = rows.iter().find(|e| e.layer == li && e.linear == l).unwrap();
+            let want_scaled = if li == 1 && l == Linear::Down { (eps as f64).powi(2) } else { 0.0 };
+            assert!((row.rel[0] - want_scaled).abs() <= 1e-4 * want_scaled + 1e-12, "layer {li} {l:?}: {} vs {want_scaled}", row.rel[0]);
+            let want = num / den;
+            assert!(want > 0.0 && (row.rel[1] - want).abs() <= 1e-3 * want, "layer {li} {l:?}: {} vs direct {want}", row.rel[1]);
+        }
+        x = y;
+    }
+    assert!(matches!(layer_output_errors(&f.cfg, &src, &[&scaled], &f.dev, &[], &mut |_| {}), Err(Error::Calibration(_))));
+}
