@@ -138,7 +138,7 @@ enum BenchCmd {
         cache: CacheArgs,
         /// Calibration windows (wiki_train). 128 x 256 = 32,768 tokens, 21 per input of the
         /// widest linear (down_proj, 1,536): with 16 windows GPTQ over-fits its Hessians
-        /// (docs/quantization.md, "GPTQ vs RTN on unseen text").
+        /// (docs/quantization.md, "GPTQ vs RTN at W4 g128 on text it was not calibrated on").
         #[arg(long, default_value_t = 128)]
         nsamples: usize,
         /// Tokens per calibration window.
