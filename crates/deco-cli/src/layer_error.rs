@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail, ensure};
 use clap::Args;
 use deco_formats::checkpoint::Checkpoint;
 use deco_model::calibrate::Linear;
-use deco_quant::pipeline::layer_output_errors;
+use deco_quant::pipeline::{TensorFn, layer_output_errors};
 
 use crate::ModelArgs;
 
@@ -45,13 +45,6 @@ pub fn run(args: &LayerErrorArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.text).with_context(|| format!("reading {}", args.text.display()))?;
     let device = crate::runtime::device(&args.model)?;
     let base = Checkpoint::open(&args.model.model)?;
-    let tok = crate::runtime::load_tokenizer(&args.model.model)?;
-    let ids = tok.encode_with(&text, false, true)?;
-    let n = (ids.len() / args.seqlen).min(args.max_windows);
-    if n == 0 {
-        bail!("{}: {} tokens is less than one window of {}", args.text.display(), ids.len(), args.seqlen);
-    }
-    let windows: Vec<Vec<u32>> = (0..n).map(|w| ids[w * args.seqlen..(w + 1) * args.seqlen].to_vec()).collect();
     let cands: Vec<Checkpoint> = args.quantized.iter().map(Checkpoint::open).collect::<std::result::Result<_, _>>()?;
     for (c, p) in cands.iter().zip(&args.quantized) {
         ensure!(
@@ -62,12 +55,19 @@ pub fn run(args: &LayerErrorArgs) -> Result<()> {
             p.display()
         );
     }
+    let tok = crate::runtime::load_tokenizer(&args.model.model)?;
+    let ids = tok.encode_with(&text, false, true)?;
+    let n = (ids.len() / args.seqlen).min(args.max_windows);
+    if n == 0 {
+        bail!("{}: {} tokens is less than one window of {}", args.text.display(), ids.len(), args.seqlen);
+    }
+    let windows: Vec<Vec<u32>> = (0..n).map(|w| ids[w * args.seqlen..(w + 1) * args.seqlen].to_vec()).collect();
     let base_src = |name: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(base.tensor(name)?) };
-    let srcs: Vec<Box<dyn Fn(&str) -> deco_model::Result<(Vec<usize>, Vec<f32>)> + '_>> = cands
+    let srcs: Vec<Box<TensorFn<'_>>> = cands
         .iter()
-        .map(|c| Box::new(move |name: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(c.tensor(name)?) }) as Box<_>)
+        .map(|c| Box::new(move |name: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(c.tensor(name)?) }) as Box<TensorFn<'_>>)
         .collect();
-    let refs: Vec<&deco_quant::pipeline::TensorFn<'_>> = srcs.iter().map(|b| b.as_ref() as &deco_quant::pipeline::TensorFn<'_>).collect();
+    let refs: Vec<&TensorFn<'_>> = srcs.iter().map(AsRef::as_ref).collect();
     let layers = base.config.num_hidden_layers;
     let rows = layer_output_errors(&base.config, &base_src, &refs, &device, &windows, &mut |li| {
         eprintln!("[layer-error] layer {}/{layers}", li + 1);

@@ -213,3 +213,18 @@ fn quantize_refuses_gptq_options_it_cannot_honour() {
     assert_clean_error(&r, &["--nsamples 1", "2 calibration files"]);
     assert!(!out.exists(), "no output may be written on a refused command");
 }
+
+#[test]
+fn layer_error_bad_input_is_a_clear_error() {
+    let model = smollm2_gguf();
+    let m = model.to_str().expect("path");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let text = write(dir.path(), "t.txt", b"Hello world.");
+    let t = text.to_str().expect("path");
+    let missing = dir.path().join("no-such-model");
+    let r = deco(&["eval", "layer-error", "--model", m, "--quantized", missing.to_str().expect("path"), "--text", t]);
+    assert_clean_error(&r, &["no-such-model"]);
+    // A text shorter than one window is named.
+    let r = deco(&["eval", "layer-error", "--model", m, "--quantized", m, "--text", t, "--seqlen", "256"]);
+    assert_clean_error(&r, &["t.txt", "less than one window"]);
+}

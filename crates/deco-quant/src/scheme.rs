@@ -82,12 +82,10 @@ pub fn check_bits(bits: u32) -> Result<()> {
     if matches!(bits, 2 | 3 | 4 | 8) { Ok(()) } else { Err(invalid("bits", format!("{bits} is not one of 2, 3, 4, 8"))) }
 }
 
-/// Scale and zero point of one group (AutoGPTQ `Quantizer.find_params`, `weight=True`).
-///
-/// Returns `(scale, zero)`; `scale > 0` and finite for finite input, `zero` an integer in
-/// `0..=maxq` stored as f32.
-pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) -> (f32, f32) {
-    let maxq = ((1u32 << bits) - 1) as f64;
+/// The range `[xmin, xmax]` of AutoGPTQ's `find_params`: it always contains 0, and a symmetric
+/// scheme mirrors it (`xmin = -xmax` only when some value is negative). An all-zero group gives
+/// `(0, 0)` (the caller widens it).
+fn group_range(values: impl IntoIterator<Item = f32>, sym: bool) -> (f64, f64) {
     let (mut lo, mut hi) = (0.0f64, 0.0f64);
     for v in values {
         lo = lo.min(v as f64);
@@ -99,6 +97,16 @@ pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) 
             lo = -hi;
         }
     }
+    (lo, hi)
+}
+
+/// Scale and zero point of one group (AutoGPTQ `Quantizer.find_params`, `weight=True`).
+///
+/// Returns `(scale, zero)`; `scale > 0` and finite for finite input, `zero` an integer in
+/// `0..=maxq` stored as f32.
+pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) -> (f32, f32) {
+    let maxq = ((1u32 << bits) - 1) as f64;
+    let (mut lo, mut hi) = group_range(values, sym);
     if lo == 0.0 && hi == 0.0 {
         lo = -1.0;
         hi = 1.0;
@@ -121,18 +129,8 @@ pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) 
 pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: usize, maxshrink: f64) -> (f32, f32) {
     let (s0, z0) = find_params(values.iter().copied(), bits, sym);
     let maxq = ((1u32 << bits) - 1) as f64;
-    // The range find_params used (recovered exactly as the reference keeps xmin / xmax).
-    let (mut lo, mut hi) = (0.0f64, 0.0f64);
-    for &v in values {
-        lo = lo.min(v as f64);
-        hi = hi.max(v as f64);
-    }
-    if sym {
-        hi = hi.max(-lo);
-        if lo < 0.0 {
-            lo = -hi;
-        }
-    }
+    // The range find_params used (the reference keeps xmin / xmax for the search).
+    let (lo, hi) = group_range(values.iter().copied(), sym);
     if lo == 0.0 && hi == 0.0 {
         return (s0, z0);
     }
