@@ -103,6 +103,11 @@ fn top_p_keeps_the_minimal_prefix_including_the_crossing_token() {
     // min_tokens_to_keep = 3 overrides p = 0
     let tp = TopP::with_min_tokens_to_keep(0.0, 3).unwrap();
     assert_eq!(kept(&run(&tp, &empty(), &l)), vec![0, 1, 2]);
+    // mass before equal to top_p up to rounding has reached it (Hugging Face keeps {0.5, 0.3}:
+    // its ascending f32 cumsum 0.1 + 0.1 = 0.19999999 <= 1 - 0.8 removes both 0.1 tokens)
+    assert_eq!(kept(&run(&TopP::new(0.8).unwrap(), &empty(), &ln(&[0.3, 0.1, 0.1, 0.5]))), vec![0, 3]);
+    assert_eq!(kept(&run(&TopP::new(0.5).unwrap(), &empty(), &ln(&[0.3, 0.1, 0.1, 0.5]))), vec![3]);
+    assert_eq!(kept(&run(&TopP::new(0.81).unwrap(), &empty(), &ln(&[0.3, 0.1, 0.1, 0.5]))), vec![0, 1, 3]);
     // ties: [0, 0, 0, 0] (uniform): p = 0.3 -> crossing at rank 1 -> the two lowest ids
     assert_eq!(
         kept(&run(&TopP::new(0.3).unwrap(), &empty(), &[0.0; 4])),

@@ -144,6 +144,11 @@ impl LogitsProcessor for TopK {
     }
 }
 
+/// Probability mass within which the mass before a token counts as equal to `top_p` (see
+/// [`TopP`]): `f32::EPSILON`, the relative precision of the `f32` `top_p` and of the `f32`
+/// logits the probabilities come from.
+const TOP_P_TIE_TOLERANCE: f64 = f32::EPSILON as f64;
+
 /// Nucleus (top-p) filtering: keeps the smallest set of most probable tokens whose total
 /// probability reaches `top_p`.
 ///
@@ -154,6 +159,13 @@ impl LogitsProcessor for TopK {
 /// is kept iff the mass of the tokens ranked before it is `< top_p`, or `r < min_tokens_to_keep`.
 /// So the token whose addition crosses `top_p` is kept. This is the same set as Hugging Face's
 /// "remove where ascending cumulative mass `<= 1 - top_p`", computed in `f64`.
+///
+/// Ties at the threshold: a mass before the token that equals `top_p` up to rounding (within
+/// `f32::EPSILON` ≈ 1.2e-7, the precision of an `f32` `top_p` and of `f32` logits) counts as
+/// having reached it, so the token is removed, as in Hugging Face
+/// where the remaining mass is then `<= 1 - top_p`: `top_p = 0.8` on `[0.3, 0.1, 0.1, 0.5]`
+/// keeps `{0.5, 0.3}` (the `f32` value of 0.8 is 0.80000001, which an exact comparison against
+/// a sum of 0.79999999 would take as not yet reached).
 ///
 /// - `top_p` must be in `[0, 1]`.
 /// - `top_p == 1` disables the filter; `top_p == 0` keeps only the most probable token
@@ -225,10 +237,12 @@ impl LogitsProcessor for TopP {
             tau = if tau > 1e-30 { tau * 1e-6 } else { 0.0 };
         };
         order.sort_unstable_by(|&a, &b| desc_then_id(logits, a, b));
+        // Equal to the target up to rounding counts as reached (see the type's docs).
+        let reached = target - TOP_P_TIE_TOLERANCE * total;
         let mut before = 0.0f64;
         let mut cut = order.len();
         for (rank, &i) in order.iter().enumerate() {
-            if rank >= self.min_tokens_to_keep && before >= target {
+            if rank >= self.min_tokens_to_keep && before >= reached {
                 cut = rank;
                 break;
             }
