@@ -123,7 +123,7 @@ pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) 
 /// with the smallest `Σ |q(x) − x|^norm` (`norm = 2.4` in the reference). Ties keep the larger
 /// range (the reference's strict `err < best`). Symmetric schemes keep the mid-point zero.
 ///
-/// `values` is read twice, so it is a slice. Returns `(scale, zero)` like [`find_params`];
+/// `values` is read once per candidate, so it is a slice. Returns `(scale, zero)` like [`find_params`];
 /// with `p = 1` the candidate is exactly [`find_params`]'s, so the search never does worse than
 /// min-max on its own objective.
 pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: usize, maxshrink: f64) -> (f32, f32) {
