@@ -54,10 +54,7 @@ pub fn run(args: &EarlyExitEvalArgs) -> Result<()> {
         bail!("--seqlen {} exceeds the model context {}", args.seqlen, model.max_context());
     }
     let ids = tok.encode_with(&text, false, true)?;
-    let windows = (ids.len() / args.seqlen).min(args.max_windows);
-    if windows == 0 {
-        bail!("{}: {} tokens is less than one window of {}", args.text.display(), ids.len(), args.seqlen);
-    }
+    let windows = crate::runtime::window_count(ids.len(), args.seqlen, Some(args.max_windows), &args.text)?;
     let cfg = EarlyExitConfig { entropy_threshold: args.exit_entropy, min_layers: args.exit_min_layers, check_every: args.exit_check_every };
     let mut total = EarlyExitScore::default();
     let t0 = Instant::now();

@@ -109,13 +109,7 @@ pub fn run(args: &KldArgs) -> Result<()> {
     if ids != ids_model {
         bail!("the two models tokenize {} differently", args.text.display());
     }
-    let mut windows = ids.len() / args.seqlen;
-    if let Some(w) = args.max_windows {
-        windows = windows.min(w);
-    }
-    if windows == 0 {
-        bail!("{}: {} tokens is less than one window of {}", args.text.display(), ids.len(), args.seqlen);
-    }
+    let windows = crate::runtime::window_count(ids.len(), args.seqlen, args.max_windows, &args.text)?;
     let (mut kl_sum, mut nll_ref, mut nll_model, mut agree, mut n) = (0.0f64, 0.0f64, 0.0f64, 0usize, 0usize);
     // Diagnostics: mean entropies; the model's NLL at other temperatures (is it over- or
     // under-confident relative to the reference?); the NLL gap split by whether the

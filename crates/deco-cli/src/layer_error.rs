@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use clap::Args;
 use deco_formats::checkpoint::Checkpoint;
 use deco_model::calibrate::Linear;
@@ -57,10 +57,7 @@ pub fn run(args: &LayerErrorArgs) -> Result<()> {
     }
     let tok = crate::runtime::load_tokenizer(&args.model.model)?;
     let ids = tok.encode_with(&text, false, true)?;
-    let n = (ids.len() / args.seqlen).min(args.max_windows);
-    if n == 0 {
-        bail!("{}: {} tokens is less than one window of {}", args.text.display(), ids.len(), args.seqlen);
-    }
+    let n = crate::runtime::window_count(ids.len(), args.seqlen, Some(args.max_windows), &args.text)?;
     let windows: Vec<Vec<u32>> = (0..n).map(|w| ids[w * args.seqlen..(w + 1) * args.seqlen].to_vec()).collect();
     let base_src = |name: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(base.tensor(name)?) };
     let srcs: Vec<Box<TensorFn<'_>>> = cands

@@ -48,13 +48,7 @@ pub fn run(args: &PplArgs) -> Result<()> {
     let (model, tok) = crate::runtime::load(&args.model)?;
     // No BOS, special-token text parsed as llama.cpp's tokenizer does by default.
     let ids = tok.encode_with(&text, false, true)?;
-    let mut windows = ids.len() / args.seqlen;
-    if let Some(w) = args.max_windows {
-        windows = windows.min(w);
-    }
-    if windows == 0 {
-        bail!("{}: {} tokens is less than one window of {}", args.text.display(), ids.len(), args.seqlen);
-    }
+    let windows = crate::runtime::window_count(ids.len(), args.seqlen, args.max_windows, &args.text)?;
     if args.seqlen > model.max_context() {
         bail!("--seqlen {} exceeds the model context {}", args.seqlen, model.max_context());
     }

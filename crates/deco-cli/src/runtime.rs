@@ -46,6 +46,18 @@ pub fn load(args: &ModelArgs) -> Result<(Llama, Tokenizer)> {
     Ok((model, tok))
 }
 
+/// Number of non-overlapping `seqlen`-token windows of `tokens` tokens to score, at most
+/// `max_windows` (`None`: all), for the commands that score a text (`eval ppl`, `eval kld`,
+/// `eval early-exit`, `eval layer-error`).
+///
+/// # Errors
+/// When not even one window fits: the message names `text`, its token count and `seqlen`.
+pub fn window_count(tokens: usize, seqlen: usize, max_windows: Option<usize>, text: &Path) -> Result<usize> {
+    let n = (tokens / seqlen).min(max_windows.unwrap_or(usize::MAX));
+    anyhow::ensure!(n > 0, "{}: {tokens} tokens is less than one window of {seqlen}", text.display());
+    Ok(n)
+}
+
 /// Finds the data file `data/REL` (e.g. `wiki_train.txt`) where `cargo xtask fetch` and the tests
 /// put it: `$DECO_CACHE/data`, `.cache/data`, `$DECO_SHARED_DIR/data`, `../shared/data`, then
 /// beside the model (`<root>/models/M` -> `<root>/data/REL`). `hint` names the flag that gives the

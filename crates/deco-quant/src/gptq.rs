@@ -148,6 +148,9 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     if !(cfg.damp_percent > 0.0 && cfg.damp_percent.is_finite()) {
         return Err(invalid("damp_percent", format!("{} must be a positive fraction", cfg.damp_percent)));
     }
+    if !(cfg.mse >= 0.0 && cfg.mse.is_finite()) {
+        return Err(invalid("mse", format!("{} must be 0 (off) or a positive norm such as 2.4", cfg.mse)));
+    }
     let gs = match cfg.group_size {
         Some(0) => return Err(invalid("group_size", "must be positive")),
         Some(g) => g,
@@ -165,9 +168,6 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
                 wm[r * n + i] = 0.0;
             }
         }
-    }
-    if !(cfg.mse >= 0.0 && cfg.mse.is_finite()) {
-        return Err(invalid("mse", format!("{} must be 0 (off) or a positive norm such as 2.4", cfg.mse)));
     }
     let row_params = |wm: &[f64], r: usize, c0: usize, c1: usize| -> (f32, f32) {
         if cfg.mse > 0.0 {

@@ -105,12 +105,14 @@ fn group_range(values: impl IntoIterator<Item = f32>, sym: bool) -> (f64, f64) {
 /// Returns `(scale, zero)`; `scale > 0` and finite for finite input, `zero` an integer in
 /// `0..=maxq` stored as f32.
 pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) -> (f32, f32) {
+    let (lo, hi) = group_range(values, sym);
+    if lo == 0.0 && hi == 0.0 { params_of_range(-1.0, 1.0, bits, sym) } else { params_of_range(lo, hi, bits, sym) }
+}
+
+/// `(scale, zero)` of the range `[lo, hi]`: `scale = (hi − lo) / maxq`, `zero` the mid-point
+/// `(maxq + 1) / 2` if symmetric, else `clamp(round(−lo / scale), 0, maxq)`.
+fn params_of_range(lo: f64, hi: f64, bits: u32, sym: bool) -> (f32, f32) {
     let maxq = ((1u32 << bits) - 1) as f64;
-    let (mut lo, mut hi) = group_range(values, sym);
-    if lo == 0.0 && hi == 0.0 {
-        lo = -1.0;
-        hi = 1.0;
-    }
     let scale = ((hi - lo) / maxq) as f32;
     let zero = if sym { (maxq + 1.0) / 2.0 } else { (-lo / scale as f64).round_ties_even().clamp(0.0, maxq) };
     (scale, zero as f32)
@@ -127,29 +129,25 @@ pub fn find_params(values: impl IntoIterator<Item = f32>, bits: u32, sym: bool) 
 /// with `p = 1` the candidate is exactly [`find_params`]'s, so the search never does worse than
 /// min-max on its own objective.
 pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: usize, maxshrink: f64) -> (f32, f32) {
-    let (s0, z0) = find_params(values.iter().copied(), bits, sym);
-    let maxq = ((1u32 << bits) - 1) as f64;
-    // The range find_params used (the reference keeps xmin / xmax for the search).
+    // The range find_params uses (the reference keeps xmin / xmax for the search).
     let (lo, hi) = group_range(values.iter().copied(), sym);
     if lo == 0.0 && hi == 0.0 {
-        return (s0, z0);
+        return find_params(values.iter().copied(), bits, sym);
     }
+    let maxq = (1u32 << bits) - 1;
     let err_of = |s: f32, z: f32| -> f64 {
-        values
-            .iter()
-            .map(|&x| (dequantize_value(quantize_value(x, s, z, maxq as u32), s, z) as f64 - x as f64).abs().powf(norm))
-            .sum()
+        values.iter().map(|&x| (dequantize_value(quantize_value(x, s, z, maxq), s, z) as f64 - x as f64).abs().powf(norm)).sum()
     };
-    let (mut best_s, mut best_z, mut best) = (s0, z0, f64::INFINITY);
+    // p = 1 is find_params' own (scale, zero): the fallback if no candidate is finite.
+    let (mut best_s, mut best_z) = params_of_range(lo, hi, bits, sym);
+    let mut best = f64::INFINITY;
     let steps = (maxshrink * grid as f64) as usize;
     for i in 0..steps {
         let p = 1.0 - i as f64 / grid as f64;
-        let (l1, h1) = (p * lo, p * hi);
-        let s1 = ((h1 - l1) / maxq) as f32;
+        let (s1, z1) = params_of_range(p * lo, p * hi, bits, sym);
         if !(s1 > 0.0 && s1.is_finite()) {
             continue;
         }
-        let z1 = if sym { z0 } else { (-l1 / s1 as f64).round_ties_even().clamp(0.0, maxq) as f32 };
         let e = err_of(s1, z1);
         if e < best {
             best = e;
