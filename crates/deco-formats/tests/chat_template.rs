@@ -2,21 +2,15 @@
 //! transformers-specific parts of the Jinja environment. Expected strings are written by hand
 //! from the template source and Jinja's semantics (`trim_blocks`, `lstrip_blocks`).
 
-use std::path::PathBuf;
-
 use deco_formats::Error;
 use deco_formats::chat_template::{ChatMessage, ChatTemplate};
 use deco_formats::gguf::GgufFile;
 use deco_formats::tokenizer::Tokenizer;
 
-fn shared() -> PathBuf {
-    std::env::var_os("DECO_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared")))
-}
+mod common;
 
 fn gguf_template(rel: &str) -> String {
-    let gguf = GgufFile::open(shared().join(rel)).expect("open gguf");
+    let gguf = GgufFile::open(common::asset(rel)).expect("open gguf");
     gguf.get_str("tokenizer.chat_template").expect("chat template").to_owned()
 }
 
@@ -64,7 +58,7 @@ fn smollm2_default_system_prompt() {
 
 #[test]
 fn smollm2_prompt_tokenizes_with_special_tokens() {
-    let gguf = GgufFile::open(shared().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")).expect("open");
+    let gguf = GgufFile::open(common::smollm2_gguf()).expect("open");
     let tok = Tokenizer::from_gguf(&gguf).expect("tokenizer");
     let t = ChatTemplate::new(tok.chat_template().expect("template")).expect("compile");
     let prompt = t

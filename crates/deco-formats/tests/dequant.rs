@@ -4,8 +4,10 @@
 //! (`gguf.quants.dequantize` / `quantize`, numpy re-implementations of ggml-quants.c); F64 and
 //! Q8_K, which gguf-py cannot dequantize, have a plain numpy reference. Both sides perform the
 //! same f32 operations in the same order, so values are compared **exactly** (bit for bit, 0 ulp).
-//! The real-model test reads the SmolLM2 GGUF from the shared directory (`DECO_SHARED_DIR`, or
-//! `<workspace>/../shared`).
+//! The real-model test reads the SmolLM2 GGUF from the fetch cache or the mirror
+//! (`common::asset`).
+
+mod common;
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
@@ -289,21 +291,13 @@ fn wrong_lengths_state_expected_and_actual_bytes() {
     assert!(matches!(GgmlType::F64.bytes_for(usize::MAX), Err(GgmlError::SizeOverflow { .. })));
 }
 
-fn shared_dir() -> PathBuf {
-    match std::env::var_os("DECO_SHARED_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared")),
-    }
-}
 
 #[test]
 fn real_smollm2_tensors_match_gguf_py() {
     let m = manifest();
     let file = m["model_file"].as_str().expect("model_file");
-    let path = shared_dir().join("models").join(file);
-    let mut f = std::fs::File::open(&path).unwrap_or_else(|e| {
-        panic!("cannot open the shared model {} (set DECO_SHARED_DIR to the shared directory): {e}", path.display())
-    });
+    let path = common::asset(&format!("models/{file}"));
+    let mut f = std::fs::File::open(&path).unwrap_or_else(|e| panic!("cannot open the model {}: {e}", path.display()));
     let size = f.metadata().expect("metadata").len();
     assert_eq!(size, m["model_size"].as_u64().expect("model_size"), "{}: unexpected size", path.display());
 

@@ -1,18 +1,12 @@
 //! GGUF reader and writer: every metadata type, v2 and v3, alignment, corrupt files, and the real
 //! SmolLM2 header checked against the model card in ../shared/README.md.
 
-use std::path::PathBuf;
-
 use deco_formats::Error;
 use deco_formats::config::{Architecture, ModelConfig};
 use deco_formats::ggml::{GgmlType, quantize_q8_0};
 use deco_formats::gguf::{GgufFile, MetadataValue as V, TensorToWrite, write_gguf};
 
-fn shared() -> PathBuf {
-    std::env::var_os("DECO_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared")))
-}
+mod common;
 
 fn all_types_metadata(alignment: u32) -> Vec<(String, V)> {
     vec![
@@ -161,7 +155,7 @@ fn write_refuses_inconsistent_tensors() {
 
 #[test]
 fn smollm2_header_matches_model_card() {
-    let path = shared().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = common::smollm2_gguf();
     let g = GgufFile::open(&path).expect("open SmolLM2 (run `cargo xtask fetch`)");
     assert_eq!(g.file_size(), 98_362_432);
     assert_eq!(g.architecture().expect("arch"), "llama");
