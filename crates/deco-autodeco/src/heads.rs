@@ -383,19 +383,13 @@ impl HostHeads {
         }
     }
 
-    /// Writes `dir/autodeco_config.json` and `dir/autodeco_heads.safetensors` atomically: both go
-    /// to a temporary directory next to `dir`, which is then renamed onto it (an existing `dir`
-    /// is replaced).
+    /// Writes `dir/autodeco_config.json` and `dir/autodeco_heads.safetensors` crash-safely: both
+    /// go to a temporary directory next to `dir`, which then replaces `dir` in one step
+    /// ([`deco_formats::atomic::write_dir`]; an existing `dir` is replaced, never left partial).
     ///
     /// # Errors
     /// [`Error::Io`] on any file-system failure.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        let parent = match dir.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => std::path::PathBuf::from("."),
-        };
-        std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
-        let tmp = tempfile::Builder::new().prefix(".autodeco-").tempdir_in(&parent).map_err(io_err(&parent))?;
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         let mut push_lin = |name: &str, l: &HostLinear| {
             // burn [in, out] -> PyTorch [out, in]
@@ -424,16 +418,17 @@ impl HostHeads {
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());
         let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| Error::Heads { path: dir.display().to_string(), msg: e.to_string() })?;
-        let wpath = tmp.path().join(WEIGHTS_FILE);
-        std::fs::write(&wpath, bytes).map_err(io_err(&wpath))?;
-        let cpath = tmp.path().join(CONFIG_FILE);
-        let json = serde_json::to_string_pretty(&self.cfg).map_err(|e| Error::Heads { path: cpath.display().to_string(), msg: e.to_string() })?;
-        std::fs::write(&cpath, json + "\n").map_err(io_err(&cpath))?;
-        if dir.exists() {
-            std::fs::remove_dir_all(dir).map_err(io_err(dir))?;
-        }
-        let kept = tmp.keep();
-        std::fs::rename(&kept, dir).map_err(io_err(dir))?;
+        let json = serde_json::to_string_pretty(&self.cfg).map_err(|e| Error::Heads { path: dir.join(CONFIG_FILE).display().to_string(), msg: e.to_string() })?;
+        deco_formats::atomic::write_dir(
+            dir,
+            |tmp| {
+                let wpath = tmp.join(WEIGHTS_FILE);
+                std::fs::write(&wpath, &bytes).map_err(io_err(&wpath))?;
+                let cpath = tmp.join(CONFIG_FILE);
+                std::fs::write(&cpath, json + "\n").map_err(io_err(&cpath))
+            },
+            |p, e| io_err(p)(e),
+        )?;
         Ok(())
     }
 

@@ -31,13 +31,5 @@ pub use heads::{AutoDecoConfig, AutoDecoHeads, HeadOutput, HostHeads};
 /// # Errors
 /// [`Error::Io`].
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => std::path::PathBuf::from("."),
-    };
-    let mut tmp = tempfile::NamedTempFile::new_in(&dir).map_err(error::io_err(&dir))?;
-    tmp.write_all(bytes).map_err(error::io_err(path))?;
-    tmp.persist(path).map_err(|e| Error::Io { path: path.display().to_string(), source: e.error })?;
-    Ok(())
+    deco_formats::atomic::write_file(path, bytes).map_err(error::io_err(path))
 }

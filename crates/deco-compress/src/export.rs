@@ -11,7 +11,7 @@
 //!   (`model.sparse.safetensors`), loadable with [`crate::sparse::SparseCheckpoint`].
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use deco_formats::checkpoint::{Checkpoint, hf_tensor_names};
 use deco_formats::config::ModelConfig;
@@ -23,44 +23,27 @@ use crate::sparse::{SPARSE_FILE, SparseTensor, is_sparse_candidate};
 use crate::{Error, Result, io_err};
 
 fn check_out(out: &Path) -> Result<()> {
-    if out.exists() {
-        let mut entries = std::fs::read_dir(out).map_err(io_err(out))?;
-        if entries.next().is_some() {
-            return Err(crate::invalid("out", format!("{} exists and is not empty", out.display())));
-        }
+    if !deco_formats::atomic::is_absent_or_empty(out).map_err(io_err(out))? {
+        return Err(crate::invalid("out", format!("{} exists and is not empty", out.display())));
     }
     Ok(())
 }
 
-/// Builds the directory at a temporary sibling of `out` with `fill`, then renames it to `out`.
+/// Builds the directory at a temporary sibling of `out` with `fill`, then installs it at `out`
+/// crash-safely ([`deco_formats::atomic::write_dir`]).
 fn atomically(ckpt: &Checkpoint, tok: &Tokenizer, cfg: &ModelConfig, out: &Path, dtype: ExportDtype, fill: &dyn Fn(&Path) -> Result<()>) -> Result<()> {
     check_out(out)?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
-    let tmp = parent.join(format!(".{name}.prune-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
-    }
-    let result = (|| -> Result<()> {
-        write_hf_dir(ckpt, tok, &tmp, dtype)?;
+    let build = |tmp: &Path| -> Result<()> {
+        // `tmp` is empty, so write_hf_dir fills it (through its own temporary sibling).
+        write_hf_dir(ckpt, tok, tmp, dtype)?;
         let cfg_path = tmp.join("config.json");
         let json = serde_json::to_string_pretty(&cfg.to_hf_json(dtype.torch_name())).map_err(|e| crate::invalid("config", e.to_string()))?;
         std::fs::write(&cfg_path, json).map_err(io_err(&cfg_path))?;
         let st = tmp.join("model.safetensors");
         std::fs::remove_file(&st).map_err(io_err(&st))?;
-        fill(&tmp)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if out.exists() {
-        std::fs::remove_dir(out).map_err(io_err(out))?;
-    }
-    std::fs::rename(&tmp, out).map_err(io_err(out))
+        fill(tmp)
+    };
+    deco_formats::atomic::write_dir(out, build, |p, e| io_err(p)(e))
 }
 
 fn st_err(path: &Path) -> impl Fn(String) -> Error + '_ {

@@ -768,7 +768,5 @@ pub fn write_gguf(path: &Path, metadata: &[(String, MetadataValue)], tensors: &[
         out.resize((data_start + off) as usize, 0);
         out.extend_from_slice(t.data);
     }
-    let tmp = path.with_extension("gguf.tmp");
-    std::fs::write(&tmp, &out).map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    crate::atomic::write_file(path, &out).map_err(|e| Error::io(path, e))
 }

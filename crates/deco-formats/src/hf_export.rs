@@ -6,7 +6,7 @@
 //! place at the end, so an interrupted export never leaves a half-written model.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::checkpoint::{Checkpoint, hf_tensor_names};
 use crate::tokenizer::Tokenizer;
@@ -43,35 +43,10 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
 /// [`Error::Invalid`] if `out_dir` is a non-empty directory; reading errors of the checkpoint;
 /// [`Error::Io`] for write failures (the partial output is removed).
 pub fn write_hf_dir(ckpt: &Checkpoint, tok: &Tokenizer, out_dir: &Path, dtype: ExportDtype) -> Result<()> {
-    if out_dir.exists() {
-        let mut entries = std::fs::read_dir(out_dir).map_err(io_err(out_dir))?;
-        if entries.next().is_some() {
-            return Err(Error::Invalid {
-                path: out_dir.to_path_buf(),
-                format: "output directory",
-                msg: "exists and is not empty".into(),
-            });
-        }
+    if !crate::atomic::is_absent_or_empty(out_dir).map_err(io_err(out_dir))? {
+        return Err(Error::Invalid { path: out_dir.to_path_buf(), format: "output directory", msg: "exists and is not empty".into() });
     }
-    let parent = match out_dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
-    let name = out_dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
-    }
-    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
-    if let Err(e) = write_contents(ckpt, tok, &tmp, dtype) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if out_dir.exists() {
-        std::fs::remove_dir(out_dir).map_err(io_err(out_dir))?;
-    }
-    std::fs::rename(&tmp, out_dir).map_err(io_err(out_dir))
+    crate::atomic::write_dir(out_dir, |tmp| write_contents(ckpt, tok, tmp, dtype), |p, e| Error::io(p, e))
 }
 
 fn write_contents(ckpt: &Checkpoint, tok: &Tokenizer, dir: &Path, dtype: ExportDtype) -> Result<()> {

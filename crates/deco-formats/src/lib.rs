@@ -8,9 +8,11 @@
 //! - [`quantized`]: GPTQ / AWQ / compressed-tensors packed linears (pack, unpack, dequantize on load).
 //! - [`tokenizer`]: tokenizers built from GGUF metadata or loaded from `tokenizer.json`.
 //! - [`chat_template`]: Hugging Face Jinja chat templates rendered with minijinja.
+//! - [`atomic`]: crash-safe writes of output files and directories (temporary, fsync, rename).
 //!
 //! Errors are reported through [`Error`]; every error that concerns a file names it.
 
+pub mod atomic;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;

@@ -28,7 +28,7 @@
 //! `2^(bits-1)`, which cancels in the difference.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::{Value, json};
 
@@ -774,24 +774,10 @@ pub fn write_safetensors_dir(
     files: &[(&str, String)],
     extra: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<()> {
-    if out_dir.exists() {
-        let mut entries = std::fs::read_dir(out_dir).map_err(|e| Error::io(out_dir, e))?;
-        if entries.next().is_some() {
-            return Err(Error::Invalid { path: out_dir.to_path_buf(), format: "output directory", msg: "exists and is not empty".into() });
-        }
+    if !crate::atomic::is_absent_or_empty(out_dir).map_err(|e| Error::io(out_dir, e))? {
+        return Err(Error::Invalid { path: out_dir.to_path_buf(), format: "output directory", msg: "exists and is not empty".into() });
     }
-    let parent = match out_dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
-    let name = out_dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    }
-    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    let write = || -> Result<()> {
+    let write = |tmp: &Path| -> Result<()> {
         let st_path = tmp.join("model.safetensors");
         let st_err = |msg: String| Error::Invalid { path: st_path.clone(), format: "safetensors", msg };
         let views = tensors
@@ -808,16 +794,9 @@ pub fn write_safetensors_dir(
             let p = tmp.join(f);
             std::fs::write(&p, text).map_err(|e| Error::io(&p, e))?;
         }
-        extra(&tmp)
+        extra(tmp)
     };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if out_dir.exists() {
-        std::fs::remove_dir(out_dir).map_err(|e| Error::io(out_dir, e))?;
-    }
-    std::fs::rename(&tmp, out_dir).map_err(|e| Error::io(out_dir, e))
+    crate::atomic::write_dir(out_dir, write, |p, e| Error::io(p, e))
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@
 //!   never does (neither does the `tokenizers` crate).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::OnceLock;
 
 use tokenizers::decoders::byte_fallback::ByteFallback;
@@ -1113,15 +1113,9 @@ fn read_json_opt(path: &Path) -> Result<Option<serde_json::Value>> {
     })
 }
 
-/// Writes `bytes` to a temporary file next to `path`, then renames it over `path`.
+/// Writes `bytes` to `path` crash-safely ([`crate::atomic::write_file`]).
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp: PathBuf = path.with_file_name(format!(".{file_name}.tmp{}", std::process::id()));
-    std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::io(path, e)
-    })
+    crate::atomic::write_file(path, bytes).map_err(|e| Error::io(path, e))
 }
 
 #[cfg(test)]

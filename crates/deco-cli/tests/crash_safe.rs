@@ -1,0 +1,232 @@
+//! Crash-safe checkpoint writes (issue 17 item 4): the commands that write a model are killed
+//! with SIGKILL at random instants; afterwards the output path holds nothing (or the empty
+//! directory that was there) or the complete output, byte-identical to an uninterrupted run's,
+//! never a partial one. `deco distill --resume` then continues from the last complete
+//! checkpoint. Kill instants are drawn from a seeded RNG, one in each of n equal slices of 1.5x
+//! the uninterrupted run's wall time, so some land before the first byte is written, most while
+//! the model is read or written, some after.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use deco_formats::checkpoint::Checkpoint;
+use deco_tests::{asset, smollm2_gguf};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn deco() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_deco"))
+}
+
+fn run_ok(mut cmd: Command) -> Duration {
+    let t = Instant::now();
+    let o = cmd.output().expect("run deco");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    t.elapsed()
+}
+
+/// Starts `cmd`, sends SIGKILL after `after`, waits; true when it finished before the kill.
+fn kill_after(mut cmd: Command, after: Duration) -> bool {
+    let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().expect("spawn deco");
+    let t = Instant::now();
+    while t.elapsed() < after {
+        if child.try_wait().expect("try_wait").is_some() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let finished = child.try_wait().expect("try_wait").is_some();
+    let _ = child.kill(); // SIGKILL on Unix
+    let _ = child.wait();
+    finished
+}
+
+/// 64-bit FNV-1a of a file's bytes (a digest for equality, not for security).
+fn digest(path: &Path) -> (u64, u64) {
+    let mut f = std::fs::File::open(path).expect("open");
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut h, mut n) = (0xcbf2_9ce4_8422_2325u64, 0u64);
+    loop {
+        let k = f.read(&mut buf).expect("read");
+        if k == 0 {
+            return (n, h);
+        }
+        for &b in &buf[..k] {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+        n += k as u64;
+    }
+}
+
+/// Every file under `path` (or `path` itself) with its size and digest.
+fn tree(path: &Path) -> BTreeMap<String, (u64, u64)> {
+    let mut m = BTreeMap::new();
+    if path.is_file() {
+        m.insert(String::new(), digest(path));
+        return m;
+    }
+    for e in std::fs::read_dir(path).expect("read_dir") {
+        let p = e.expect("entry").path();
+        assert!(p.is_file(), "{}: unexpected subdirectory", p.display());
+        m.insert(p.file_name().expect("name").to_string_lossy().into_owned(), digest(&p));
+    }
+    m
+}
+
+/// The visible entries of `dir` (names not starting with '.').
+fn visible(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .expect("read_dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Kills `make(out)` at `n` random instants; after each, `out` is absent or empty, or equal to
+/// `want`. Returns (killed with nothing at `out`, killed after the output was complete).
+fn kill_loop(make: &dyn Fn(&Path) -> Command, out: &Path, want: &BTreeMap<String, (u64, u64)>, wall: Duration, n: usize, seed: u64) -> (usize, usize) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (mut none, mut whole) = (0, 0);
+    for i in 0..n {
+        // Stratified: kill i lands in the i-th of n equal slices of [0, 1.5 x wall) (a killed run
+        // may be slower than the measured one).
+        let at = wall.mul_f64(1.5 * (i as f64 + rng.random_range(0.0..1.0)) / n as f64);
+        let finished = kill_after(make(out), at);
+        let present = out.exists() && (out.is_file() || !visible(out).is_empty());
+        if present {
+            assert_eq!(&tree(out), want, "kill {i} at {at:?}: {} is not the complete output", out.display());
+            whole += 1;
+        } else {
+            assert!(!finished, "kill {i}: the run finished but {} is missing", out.display());
+            none += 1;
+        }
+        if out.is_dir() {
+            std::fs::remove_dir_all(out).expect("clean");
+        } else if out.exists() {
+            std::fs::remove_file(out).expect("clean");
+        }
+    }
+    (none, whole)
+}
+
+#[test]
+fn convert_and_quantize_killed_at_random_leave_nothing_or_the_whole_output() {
+    let m = smollm2_gguf();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let convert = |out: &Path| {
+        let mut c = deco();
+        c.arg("convert").arg(&m).arg(out);
+        c
+    };
+    let quantize = |out: &Path| {
+        let mut c = deco();
+        c.args(["quantize", "--format", "gguf-q8_0", "--bits", "8", "--model"]).arg(&m).arg("--out").arg(out);
+        c
+    };
+    for (name, make, out_name) in [("convert", &convert as &dyn Fn(&Path) -> Command, "hf"), ("quantize", &quantize, "q8.gguf")] {
+        let reference = tmp.path().join(format!("reference-{out_name}"));
+        let wall = run_ok(make(&reference));
+        let want = tree(&reference);
+        assert!(!want.is_empty());
+        let dir = tmp.path().join(name);
+        std::fs::create_dir(&dir).expect("mkdir");
+        let out = dir.join(out_name);
+        let (none, whole) = kill_loop(make, &out, &want, wall, 10, 17);
+        eprintln!("{name}: uninterrupted {wall:?}; 10 kills: {none} left nothing, {whole} the complete output, 0 partial");
+        assert!(none > 0 && whole > 0, "{name}: the kills did not cover both sides of the write");
+        // Temporaries of killed runs are hidden, and the next run to the same path removes them.
+        run_ok(make(&out));
+        assert_eq!(tree(&out), want);
+        let left: Vec<String> = std::fs::read_dir(&dir).expect("read_dir").map(|e| e.expect("e").file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(left, vec![out_name.to_string()], "{name}: temporaries left after a complete run");
+        std::fs::remove_dir_all(&reference).or_else(|_| std::fs::remove_file(&reference)).expect("clean");
+    }
+}
+
+fn checkpoints(out: &Path) -> Vec<PathBuf> {
+    if !out.is_dir() {
+        return Vec::new();
+    }
+    let mut v: Vec<PathBuf> = visible(out).into_iter().filter(|n| n.starts_with("checkpoint-")).map(|n| out.join(n)).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn distill_killed_at_random_keeps_complete_checkpoints_and_resumes() {
+    let m = smollm2_gguf();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let student = tmp.path().join("student");
+    run_ok({
+        let mut c = deco();
+        c.arg("convert").arg(&m).arg(&student);
+        c
+    });
+    let wiki = asset("data/wiki_test.txt");
+    let out = tmp.path().join("distill");
+    let steps = 6;
+    let distill = |resume: bool| {
+        let mut c = deco();
+        c.args(["distill", "--objective", "kd", "--batch-size", "1", "--seqlen", "16", "--checkpoint-every", "2", "--data-chars", "4000"])
+            .args(["--steps", &steps.to_string(), "--teacher"])
+            .arg(&m)
+            .arg("--student")
+            .arg(&student)
+            .arg("--data")
+            .arg(&wiki)
+            .arg("--out")
+            .arg(&out);
+        if resume {
+            c.arg("--resume");
+        }
+        c
+    };
+    // Learn how long a fresh run takes, then start over.
+    let wall = run_ok(distill(false));
+    std::fs::remove_dir_all(&out).expect("clean");
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut resumed_from = Vec::new();
+    let mut started = false;
+    for _ in 0..12 {
+        let resume = started && !checkpoints(&out).is_empty();
+        if !resume && out.exists() {
+            // Killed before the first checkpoint: a fresh run needs an empty --out.
+            std::fs::remove_dir_all(&out).expect("clean");
+        }
+        if let Some(last) = checkpoints(&out).last().filter(|_| resume) {
+            resumed_from.push(last.file_name().expect("name").to_string_lossy().into_owned());
+        }
+        let finished = kill_after(distill(resume), wall.mul_f64(rng.random_range(0.2..0.7)));
+        started = true;
+        // Every visible checkpoint is complete: it loads, with every tensor readable.
+        for ck in checkpoints(&out) {
+            let c = Checkpoint::open(&ck).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
+            c.tensor("model.layers.29.mlp.down_proj.weight").unwrap_or_else(|e| panic!("{}: {e}", ck.display()));
+        }
+        if finished || checkpoints(&out).last().is_some_and(|p| p.ends_with(format!("checkpoint-{steps:06}"))) {
+            break;
+        }
+    }
+    // Finish with --resume, uninterrupted, from wherever the kills left it.
+    if checkpoints(&out).last().is_none_or(|p| !p.ends_with(format!("checkpoint-{steps:06}"))) {
+        let resume = !checkpoints(&out).is_empty();
+        if !resume && out.exists() {
+            std::fs::remove_dir_all(&out).expect("clean");
+        }
+        run_ok(distill(resume));
+    }
+    let last = checkpoints(&out).last().cloned().expect("a final checkpoint");
+    assert!(last.ends_with(format!("checkpoint-{steps:06}")), "{}", last.display());
+    Checkpoint::open(&last).expect("final checkpoint loads");
+    // The log holds each step once, in order, whatever the kills interrupted.
+    let log = std::fs::read_to_string(out.join("distill_log.csv")).expect("log");
+    let logged: Vec<usize> = log.lines().skip(1).map(|l| l.split(',').next().expect("step").parse().expect("step number")).collect();
+    assert_eq!(logged, (1..=steps).collect::<Vec<_>>(), "distill_log.csv:\n{log}");
+    eprintln!("distill: uninterrupted {wall:?}; resumed from {resumed_from:?}");
+    assert!(!resumed_from.is_empty(), "no kill landed after a checkpoint: the resume path was not exercised");
+}
