@@ -14,6 +14,7 @@ mod bench;
 mod compress;
 mod decoding;
 mod fetch;
+mod fuzz;
 mod manifest;
 mod python;
 mod quant;
@@ -58,6 +59,17 @@ enum Cmd {
         /// What to fetch (comma-separated or repeated).
         #[arg(long, value_enum, value_delimiter = ',', default_value = "all")]
         what: Vec<What>,
+    },
+    /// Build the libFuzzer targets of fuzz/ (nightly, ASan) and run one for --time seconds.
+    Fuzz {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// The target.
+        #[arg(value_enum)]
+        target: fuzz::Target,
+        /// Seconds to fuzz.
+        #[arg(long, default_value_t = 60)]
+        time: u64,
     },
     /// Fetch the model if needed and run a chat generation with the deco CLI.
     Demo {
@@ -391,6 +403,12 @@ fn real_main() -> Result<()> {
             skip_qwen,
             only,
             deco_bin,
+        }),
+        Cmd::Fuzz { cache, target, time } => fuzz::run(&fuzz::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            target,
+            time,
         }),
         Cmd::Fetch { cache, what } => {
             fetch::fetch(&fetch::Options {

@@ -10,7 +10,13 @@ use sha2::{Digest, Sha256};
 
 /// The workspace root (the directory above `xtask/`).
 pub fn workspace_root() -> PathBuf {
-    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // `cargo run` (the `cargo xtask` alias) sets CARGO_MANIFEST_DIR for the process: prefer it
+    // to the compile-time value, because with a CARGO_TARGET_DIR shared by two checkouts cargo
+    // may run a binary built in the other one (it does not re-copy a fresh binary).
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.join("Cargo.toml").is_file())
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
     manifest_dir
         .parent()
         .map(Path::to_path_buf)

@@ -73,6 +73,13 @@ fn template_error(what: &str, e: &minijinja::Error) -> Error {
     Error::ChatTemplate(msg)
 }
 
+/// Instruction budget of one render (minijinja "fuel": about one unit per template
+/// instruction). A hostile template (nested loops, runaway recursion through macros) stops
+/// with an error instead of running for minutes or growing its output without bound; the
+/// real templates deco ships use ~100-300 units per message, so this allows conversations of
+/// tens of thousands of messages (measured in the tests).
+pub const RENDER_FUEL: u64 = 20_000_000;
+
 impl ChatTemplate {
     /// Compiles a Jinja chat template (e.g. `tokenizer.chat_template` from GGUF metadata or
     /// `chat_template` from `tokenizer_config.json`).
@@ -84,6 +91,7 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);

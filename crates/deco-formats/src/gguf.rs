@@ -259,7 +259,7 @@ impl<'a> Cursor<'a> {
             None => Err(Error::Truncated {
                 path: self.path.to_path_buf(),
                 what: what(),
-                needed: self.pos as u64 + n as u64,
+                needed: (self.pos as u64).saturating_add(n as u64),
                 len: self.data.len() as u64,
             }),
         }
@@ -298,7 +298,7 @@ impl<'a> Cursor<'a> {
             return Err(Error::Truncated {
                 path: self.path.to_path_buf(),
                 what: what(),
-                needed: self.pos as u64 + n,
+                needed: (self.pos as u64).saturating_add(n),
                 len: self.data.len() as u64,
             });
         }
@@ -368,6 +368,23 @@ impl GgufFile {
         // llama.cpp and safetensors accept as well.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         Self::parse(path.to_path_buf(), mmap)
+    }
+
+    /// Parses a GGUF image held in memory (a copy is placed in an anonymous read-only map);
+    /// `path` only names it in errors. Used by the fuzz targets and by callers that receive a
+    /// model over a channel other than a file.
+    ///
+    /// # Errors
+    /// As [`GgufFile::open`]; [`Error::Io`] if the anonymous map cannot be created.
+    pub fn from_bytes(path: impl Into<PathBuf>, bytes: &[u8]) -> Result<Self> {
+        let path = path.into();
+        if bytes.is_empty() {
+            return Err(Error::NotGguf { path, found: String::new() });
+        }
+        let mut map = memmap2::MmapMut::map_anon(bytes.len()).map_err(|e| Error::io(&path, e))?;
+        map.copy_from_slice(bytes);
+        let mmap = map.make_read_only().map_err(|e| Error::io(&path, e))?;
+        Self::parse(path, mmap)
     }
 
     fn parse(path: PathBuf, mmap: memmap2::Mmap) -> Result<Self> {
@@ -453,7 +470,7 @@ impl GgufFile {
 
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
         for t in &tensors {
-            let end = data_offset + t.offset + t.n_bytes as u64;
+            let end = data_offset.saturating_add(t.offset).saturating_add(t.n_bytes as u64);
             if end > data.len() as u64 {
                 return Err(Error::Truncated {
                     path: path.clone(),

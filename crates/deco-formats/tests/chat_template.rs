@@ -161,3 +161,32 @@ fn bad_templates_are_clear_errors() {
     let err = t.render_with(&[], false, "", "", &serde_json::json!([1])).expect_err("extra must be an object");
     assert!(err.to_string().contains("object"), "{err}");
 }
+
+/// Hostile templates (issue 17): runaway loops and recursion stop with an error naming the
+/// cause, quickly, instead of hanging. (Not covered: a template that doubles a string ~40 times
+/// exhausts memory in a few instructions; minijinja has no value-size limit. docs/reliability.md.)
+#[test]
+fn hostile_templates_stop_with_an_error() {
+    for (src, needle) in [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "fuel"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion"),
+    ] {
+        let t = ChatTemplate::new(src).expect("compiles");
+        let start = std::time::Instant::now();
+        let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("must not render");
+        let msg = err.to_string();
+        assert!(msg.contains(needle), "{src}: {msg}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(5), "{src}: took {:?}", start.elapsed());
+    }
+}
+
+/// The render budget does not bind real use: 20,000 messages through the SmolLM2 and Qwen2
+/// templates render completely.
+#[test]
+fn long_conversations_fit_the_render_budget() {
+    let turns: Vec<(&str, &str)> = (0..10_000).flat_map(|_| [("user", "What is 2+2?"), ("assistant", "4.")]).collect();
+    for t in [smollm2_template(), ChatTemplate::new(gguf_template("tokenizer-tests/ggml-vocab-qwen2.gguf")).expect("compile")] {
+        let out = t.render(&msgs(&turns), true, "", "<|im_end|>").expect("render");
+        assert_eq!(out.matches("What is 2+2?").count(), 10_000);
+    }
+}

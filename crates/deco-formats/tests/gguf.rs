@@ -180,3 +180,42 @@ fn smollm2_header_matches_model_card() {
     assert!((cfg.rms_norm_eps - 1e-5).abs() < 1e-12);
     assert!(cfg.tie_word_embeddings && !cfg.attention_bias);
 }
+
+/// Regressions found by `cargo xtask fuzz gguf` (docs/reliability.md): lengths and offsets near
+/// `u64::MAX` overflowed the arithmetic of the error path (a panic with overflow checks, a wrong
+/// "needed" size without). They are truncation errors naming the field.
+#[test]
+fn fuzz_regressions_huge_lengths_and_offsets_are_truncation_errors() {
+    let header = |n_tensors: u64, n_kv: u64| {
+        let mut b = b"GGUF".to_vec();
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&n_tensors.to_le_bytes());
+        b.extend_from_slice(&n_kv.to_le_bytes());
+        b
+    };
+    // A metadata key whose length is u64::MAX.
+    let mut b = header(0, 1);
+    b.extend_from_slice(&u64::MAX.to_le_bytes());
+    let e = GgufFile::from_bytes("key.gguf", &b).err().expect("must fail").to_string();
+    assert!(e.contains("metadata key #0") && e.contains(&u64::MAX.to_string()), "{e}");
+    // An array of strings whose first element has length u64::MAX (the fuzzer's input).
+    let mut b = header(0, 1);
+    b.extend_from_slice(&1u64.to_le_bytes());
+    b.push(b'k');
+    b.extend_from_slice(&9u32.to_le_bytes()); // array
+    b.extend_from_slice(&8u32.to_le_bytes()); // of strings
+    b.extend_from_slice(&1u64.to_le_bytes());
+    b.extend_from_slice(&u64::MAX.to_le_bytes());
+    let e = GgufFile::from_bytes("array.gguf", &b).err().expect("must fail").to_string();
+    assert!(e.contains("metadata `k`"), "{e}");
+    // A tensor whose (aligned) offset is near u64::MAX: its data end overflows.
+    let mut b = header(1, 0);
+    b.extend_from_slice(&1u64.to_le_bytes());
+    b.push(b't');
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b.extend_from_slice(&4u64.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes()); // F32
+    b.extend_from_slice(&(u64::MAX - 31).to_le_bytes());
+    let e = GgufFile::from_bytes("offset.gguf", &b).err().expect("must fail").to_string();
+    assert!(e.contains("data of tensor `t`"), "{e}");
+}
