@@ -106,7 +106,12 @@ pub fn run(o: &Options) -> Result<()> {
         text.lines().find_map(|l| l.strip_prefix(&format!("stat::{k}:")).and_then(|v| v.trim().parse().ok()))
     };
     let execs = stat("number_of_executed_units").unwrap_or(0);
-    let secs = stat("total_time").unwrap_or(o.time).max(1);
+    // libFuzzer's last line: "Done N runs in S second(s)".
+    let secs = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Done ").and_then(|r| r.split(" in ").nth(1)).and_then(|r| r.split(' ').next()).and_then(|v| v.parse::<u64>().ok()))
+        .unwrap_or(o.time)
+        .max(1);
     let peak = stat("peak_rss_mb").unwrap_or(0);
     let new_artifacts = count_files(&artifacts)? - before;
     println!(
