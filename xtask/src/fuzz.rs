@@ -24,6 +24,9 @@ pub enum Target {
     /// Chat templates: compile and render with and without tools.
     #[value(name = "chat_template")]
     ChatTemplate,
+    /// Hugging Face directories: config.json (+ quantization_config) and model.safetensors.
+    #[value(name = "hf_dir")]
+    HfDir,
 }
 
 impl Target {
@@ -31,6 +34,7 @@ impl Target {
         match self {
             Target::Gguf => "gguf",
             Target::ChatTemplate => "chat_template",
+            Target::HfDir => "hf_dir",
         }
     }
 
@@ -39,6 +43,7 @@ impl Target {
         match self {
             Target::Gguf => 65_536,
             Target::ChatTemplate => 16_384,
+            Target::HfDir => 131_072,
         }
     }
 }
@@ -137,8 +142,9 @@ fn count_files(dir: &Path) -> Result<usize> {
 }
 
 /// Seeds an empty corpus: GGUF prefixes of the real files (4 KiB and 64 KiB of every tokenizer
-/// vocabulary and of SmolLM2, covering the header, metadata and tensor table), or the chat
-/// templates of `fuzz/seeds/chat_template` (taken from those files' metadata).
+/// vocabulary and of SmolLM2, covering the header, metadata and tensor table), the chat
+/// templates of `fuzz/seeds/chat_template` (taken from those files' metadata), or the tiny test
+/// checkpoints as (config.json, safetensors) pairs.
 fn seed(o: &Options, root: &Path, corpus: &Path) -> Result<()> {
     if count_files(corpus)? > 0 {
         return Ok(());
@@ -161,6 +167,25 @@ fn seed(o: &Options, root: &Path, corpus: &Path) -> Result<()> {
                 for n in [4096usize, 65_536] {
                     let p = corpus.join(format!("{stem}-{n}"));
                     fs::write(&p, &bytes[..n.min(bytes.len())]).with_context(|| format!("cannot write {}", p.display()))?;
+                }
+            }
+        }
+        Target::HfDir => {
+            // The tiny test checkpoints (tests/data/tiny): config.json + each safetensors file.
+            let tiny = root.join("tests/data/tiny");
+            for model in ["llama3", "qwen2"] {
+                let d = tiny.join(model);
+                let config = fs::read(d.join("config.json")).with_context(|| format!("cannot read {}/config.json", d.display()))?;
+                for e in fs::read_dir(&d).with_context(|| format!("cannot list {}", d.display()))? {
+                    let p = e?.path();
+                    let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                    if !name.starts_with("model") || !name.ends_with(".safetensors") {
+                        continue;
+                    }
+                    let mut seed = u16::try_from(config.len()).context("config.json over 64 KiB")?.to_le_bytes().to_vec();
+                    seed.extend_from_slice(&config);
+                    seed.extend_from_slice(&fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?);
+                    fs::write(corpus.join(format!("{model}-{name}")), seed).context("cannot write a seed")?;
                 }
             }
         }
