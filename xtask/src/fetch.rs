@@ -149,7 +149,7 @@ pub fn fetch(opts: &Options) -> Result<()> {
     // Pass 2: the registry. Members of a package's archive first, each archive read once (the
     // llama-cpp-python sdist holds 46 of them); then the script steps, which may read the model.
     let mut archives: Vec<((&str, &str), Vec<&Entry>)> = Vec::new();
-    let mut scripts: Vec<&Entry> = Vec::new();
+    let mut scripts: Vec<(&Entry, &str, bool)> = Vec::new();
     for e in todo {
         match &e.source {
             Source::Wheel { package, version, .. } | Source::Sdist { package, version, .. } => {
@@ -159,7 +159,7 @@ pub fn fetch(opts: &Options) -> Result<()> {
                     None => archives.push((key, vec![e])),
                 }
             }
-            Source::Script { .. } => scripts.push(e),
+            Source::Script { step, reproducible } => scripts.push((e, step.as_str(), *reproducible)),
         }
     }
     for ((package, version), entries) in archives {
@@ -180,43 +180,36 @@ pub fn fetch(opts: &Options) -> Result<()> {
         }
     }
     let mut steps_done: BTreeMap<String, PathBuf> = BTreeMap::new();
-    for e in scripts {
+    for (e, step, reproducible) in scripts {
         let dest = cache.join(&e.path);
-        match &e.source {
-            Source::Wheel { .. } | Source::Sdist { .. } => {}
-            Source::Script { step, reproducible } => {
-                let staging = match steps_done.get(step) {
-                    Some(s) => s.clone(),
-                    None => {
-                        let s = run_step(cache, step)?;
-                        steps_done.insert(step.clone(), s.clone());
-                        s
-                    }
-                };
-                let produced = staging.join(&e.path);
-                if !produced.is_file() {
-                    bail!("data step `{step}` did not produce {}", produced.display());
-                }
-                if *reproducible {
-                    verify(&produced, e).with_context(|| {
-                        format!("{} rebuilt by xtask/scripts/prepare_data.py {step}", e.path)
-                    })?;
-                }
-                move_into_place(&produced, &dest)?;
-                if *reproducible {
-                    state.set(&e.path, "registry", &e.sha256, &dest);
-                    report("ok", e, &format!("rebuilt ({step}), sha256 matches mirror"));
-                } else {
-                    let sha = sha256_file(&dest)?;
-                    state.set(&e.path, "regenerated", &sha, &dest);
-                    let how = if sha == e.sha256 {
-                        format!("regenerated ({step}), sha256 matches mirror (not required)")
-                    } else {
-                        format!("regenerated ({step}); may differ from the mirror's bytes (docs/data.md), sha256 {sha}")
-                    };
-                    report("ok", e, &how);
-                }
+        let staging = match steps_done.get(step) {
+            Some(s) => s.clone(),
+            None => {
+                let s = run_step(cache, step)?;
+                steps_done.insert(step.to_owned(), s.clone());
+                s
             }
+        };
+        let produced = staging.join(&e.path);
+        if !produced.is_file() {
+            bail!("data step `{step}` did not produce {}", produced.display());
+        }
+        if reproducible {
+            verify(&produced, e).with_context(|| format!("{} rebuilt by xtask/scripts/{} {step}", e.path, step_script(step)))?;
+        }
+        move_into_place(&produced, &dest)?;
+        if reproducible {
+            state.set(&e.path, "registry", &e.sha256, &dest);
+            report("ok", e, &format!("rebuilt ({step}), sha256 matches mirror"));
+        } else {
+            let sha = sha256_file(&dest)?;
+            state.set(&e.path, "regenerated", &sha, &dest);
+            let how = if sha == e.sha256 {
+                format!("regenerated ({step}), sha256 matches mirror (not required)")
+            } else {
+                format!("regenerated ({step}); may differ from the mirror's bytes (docs/data.md), sha256 {sha}")
+            };
+            report("ok", e, &how);
         }
     }
     for s in steps_done.values() {
@@ -324,7 +317,13 @@ fn extract_members(archive: &Path, members: &[(&str, PathBuf)]) -> Result<()> {
     Ok(())
 }
 
-/// Runs one data step of prepare_data.py into a staging directory and returns it.
+/// The script under `xtask/scripts/` that implements a data step.
+fn step_script(step: &str) -> &'static str {
+    if matches!(step, "llama-cases" | "golden") { "llama_reference.py" } else { "prepare_data.py" }
+}
+
+/// Runs one data step (of prepare_data.py or llama_reference.py) into a staging directory and
+/// returns it.
 fn run_step(cache: &Path, step: &str) -> Result<PathBuf> {
     let staging = cache.join(".staging").join(step);
     if staging.exists() {
@@ -333,7 +332,7 @@ fn run_step(cache: &Path, step: &str) -> Result<PathBuf> {
     }
     fs::create_dir_all(&staging)?;
     let py = python::venv_python(cache)?;
-    if matches!(step, "llama-cases" | "golden") {
+    if step_script(step) == "llama_reference.py" {
         run_llama_step(cache, &py, step, &staging)?;
         return Ok(staging);
     }

@@ -92,10 +92,22 @@ fn visible(dir: &Path) -> Vec<String> {
 fn kill_loop(make: &dyn Fn(&Path) -> Command, out: &Path, want: &BTreeMap<String, (u64, u64)>, wall: Duration, n: usize, seed: u64) -> (usize, usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (mut none, mut whole) = (0, 0);
-    for i in 0..n {
-        // Stratified: kill i lands in the i-th of n equal slices of [0, 1.5 x wall) (a killed run
-        // may be slower than the measured one).
-        let at = wall.mul_f64(1.5 * (i as f64 + rng.random_range(0.0..1.0)) / n as f64);
+    // Stratified: kill i lands in the i-th of n equal slices of [0, 1.5 x wall). On a loaded
+    // machine a run may take longer than the measured one, so if no kill landed after the end,
+    // later kills double the delay until one does (the output must then be complete).
+    let delays = (0..n).map(|i| wall.mul_f64(1.5 * (i as f64 + rng.random_range(0.0..1.0)) / n as f64)).collect::<Vec<_>>();
+    let mut extra = (1..=8).map(|k| wall.mul_f64(1.5 * f64::from(1u32 << k)));
+    let mut i = 0;
+    loop {
+        let at = match delays.get(i) {
+            Some(&d) => d,
+            None if whole == 0 => match extra.next() {
+                Some(d) => d,
+                None => break,
+            },
+            None => break,
+        };
+        i += 1;
         let finished = kill_after(make(out), at);
         let present = out.exists() && (out.is_file() || !visible(out).is_empty());
         if present {
@@ -137,7 +149,7 @@ fn convert_and_quantize_killed_at_random_leave_nothing_or_the_whole_output() {
         std::fs::create_dir(&dir).expect("mkdir");
         let out = dir.join(out_name);
         let (none, whole) = kill_loop(make, &out, &want, wall, 10, 17);
-        eprintln!("{name}: uninterrupted {wall:?}; 10 kills: {none} left nothing, {whole} the complete output, 0 partial");
+        eprintln!("{name}: uninterrupted {wall:?}; {} kills: {none} left nothing, {whole} the complete output, 0 partial", none + whole);
         assert!(none > 0 && whole > 0, "{name}: the kills did not cover both sides of the write");
         // Temporaries of killed runs are hidden, and the next run to the same path removes them.
         run_ok(make(&out));
