@@ -91,17 +91,14 @@ pub fn run(o: &Options) -> Result<()> {
 
     let log = dir.join(format!("{}.log", o.target.name()));
     eprintln!("fuzzing {} for {} s (log: {})", o.target.name(), o.time, log.display());
-    let mut artifact_prefix = artifacts.as_os_str().to_owned();
+    let mut artifact_prefix = std::ffi::OsString::from("-artifact_prefix=");
+    artifact_prefix.push(&artifacts);
     artifact_prefix.push("/");
     let out = Command::new(&bin)
         .arg(format!("-max_total_time={}", o.time))
         .arg(format!("-max_len={}", o.target.max_len()))
         .args(["-timeout=1", "-rss_limit_mb=2048", "-malloc_limit_mb=2048", "-print_final_stats=1"])
-        .arg({
-            let mut a = std::ffi::OsString::from("-artifact_prefix=");
-            a.push(&artifact_prefix);
-            a
-        })
+        .arg(&artifact_prefix)
         .arg(&corpus)
         .output()
         .with_context(|| format!("cannot run {}", bin.display()))?;

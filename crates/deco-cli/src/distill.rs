@@ -4,7 +4,7 @@
 //!
 //! Checkpoints are Hugging Face directories `OUT/checkpoint-NNNNNN` (the step), each written
 //! into a hidden temporary directory and renamed into place (`deco_compress::export::
-//! write_dense_dir`, built on `deco_formats::hf_export::write_hf_dir`); the last two are kept.
+//! write_dense_dir`, installed by `deco_formats::atomic::write_dir`); the last two are kept.
 //! `--resume` continues from the highest-numbered checkpoint in `OUT`, with its step count;
 //! the Adam moments restart (they are not saved). Batches depend only on `(seed, step)`, so a
 //! resumed run sees the batches the uninterrupted run would have.
@@ -212,7 +212,10 @@ pub fn run(args: &DistillArgs) -> Result<()> {
         let kept: String = old
             .lines()
             .enumerate()
-            .filter(|(i, l)| *i == 0 || (l.split(',').count() == 4 && l.split(',').next().and_then(|s| s.parse::<usize>().ok()).is_some_and(|s| s <= start_step)))
+            .filter(|(i, l)| {
+                let fields: Vec<&str> = l.split(',').collect();
+                *i == 0 || (fields.len() == 4 && fields[0].parse::<usize>().is_ok_and(|s| s <= start_step))
+            })
             .map(|(_, l)| format!("{l}\n"))
             .collect();
         deco_formats::atomic::write_file(&log_path, kept.as_bytes()).with_context(|| format!("rewriting {}", log_path.display()))?;

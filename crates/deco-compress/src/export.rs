@@ -1,9 +1,10 @@
 //! Writing pruned models to disk, atomically.
 //!
-//! Both writers build the directory with [`deco_formats::hf_export::write_hf_dir`] under a
-//! hidden sibling name (tokenizer, generation config, chat template as `deco convert` writes
-//! them), replace its weights and `config.json` with the pruned ones, and rename it into place
-//! at the end, so an interrupted run never leaves a half-written model.
+//! Both writers build the directory under a hidden sibling name: the tokenizer, generation
+//! config and chat template as `deco convert` writes them
+//! ([`deco_formats::hf_export::write_hf_metadata`]), then the pruned model's `config.json` and
+//! weights; [`deco_formats::atomic::write_dir`] installs it at the end, so an interrupted run
+//! never leaves a half-written model.
 //!
 //! - [`write_dense_dir`]: a Hugging Face directory (`model.safetensors`), loadable by
 //!   `deco_formats::checkpoint::Checkpoint::open`, every `deco` command, and transformers.
@@ -15,7 +16,7 @@ use std::path::Path;
 
 use deco_formats::checkpoint::{Checkpoint, hf_tensor_names};
 use deco_formats::config::ModelConfig;
-use deco_formats::hf_export::{ExportDtype, write_hf_dir};
+use deco_formats::hf_export::{ExportDtype, write_hf_metadata};
 use deco_formats::tokenizer::Tokenizer;
 
 use crate::pipeline::TensorFn;
@@ -34,13 +35,12 @@ fn check_out(out: &Path) -> Result<()> {
 fn atomically(ckpt: &Checkpoint, tok: &Tokenizer, cfg: &ModelConfig, out: &Path, dtype: ExportDtype, fill: &dyn Fn(&Path) -> Result<()>) -> Result<()> {
     check_out(out)?;
     let build = |tmp: &Path| -> Result<()> {
-        // `tmp` is empty, so write_hf_dir fills it (through its own temporary sibling).
-        write_hf_dir(ckpt, tok, tmp, dtype)?;
+        // Tokenizer and generation config as `deco convert` writes them for the source model,
+        // then the pruned model's config.json and weights.
+        write_hf_metadata(&ckpt.config, tok, tmp, dtype)?;
         let cfg_path = tmp.join("config.json");
         let json = serde_json::to_string_pretty(&cfg.to_hf_json(dtype.torch_name())).map_err(|e| crate::invalid("config", e.to_string()))?;
         std::fs::write(&cfg_path, json).map_err(io_err(&cfg_path))?;
-        let st = tmp.join("model.safetensors");
-        std::fs::remove_file(&st).map_err(io_err(&st))?;
         fill(tmp)
     };
     deco_formats::atomic::write_dir(out, build, |p, e| io_err(p)(e))

@@ -72,19 +72,18 @@ fn sync_tree(dir: &Path) -> io::Result<()> {
 }
 
 /// Writes `bytes` to `path` atomically (temporary sibling, fsync, rename), replacing any file
-/// there. The content is written by `fill`, which gets the open temporary file.
+/// there.
 ///
 /// # Errors
 /// Any I/O error, with the temporary removed; `path` is then untouched.
-pub fn write_file_with(path: &Path, fill: impl FnOnce(&mut File) -> io::Result<()>) -> io::Result<()> {
+pub fn write_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let dir = parent_of(path);
     std::fs::create_dir_all(&dir)?;
     remove_stale_temps(path);
     let tmp = temp_sibling(path);
     let result = (|| {
         let mut f = File::create(&tmp)?;
-        fill(&mut f)?;
-        f.flush()?;
+        f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);
         std::fs::rename(&tmp, path)?;
@@ -94,14 +93,6 @@ pub fn write_file_with(path: &Path, fill: impl FnOnce(&mut File) -> io::Result<(
         let _ = std::fs::remove_file(&tmp);
     }
     result
-}
-
-/// Writes `bytes` to `path` atomically; see [`write_file_with`].
-///
-/// # Errors
-/// Any I/O error; `path` is then untouched.
-pub fn write_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    write_file_with(path, |f| f.write_all(bytes))
 }
 
 /// Builds a directory with `fill` (given an empty temporary sibling of `out`) and installs it at

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use crate::checkpoint::{Checkpoint, hf_tensor_names};
+use crate::config::ModelConfig;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -50,6 +51,12 @@ pub fn write_hf_dir(ckpt: &Checkpoint, tok: &Tokenizer, out_dir: &Path, dtype: E
 }
 
 fn write_contents(ckpt: &Checkpoint, tok: &Tokenizer, dir: &Path, dtype: ExportDtype) -> Result<()> {
+    write_weights(ckpt, dir, dtype)?;
+    write_hf_metadata(&ckpt.config, tok, dir, dtype)
+}
+
+/// `dir/model.safetensors`: every tensor of `ckpt` under its transformers name, in `dtype`.
+fn write_weights(ckpt: &Checkpoint, dir: &Path, dtype: ExportDtype) -> Result<()> {
     let cfg = &ckpt.config;
     let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for name in hf_tensor_names(cfg) {
@@ -75,8 +82,18 @@ fn write_contents(ckpt: &Checkpoint, tok: &Tokenizer, dir: &Path, dtype: ExportD
         })
         .collect::<Result<Vec<_>>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(meta), &st_path).map_err(|e| st_err(e.to_string()))?;
+    safetensors::serialize_to_file(views, Some(meta), &st_path).map_err(|e| st_err(e.to_string()))
+}
 
+/// Writes the files of a Hugging Face directory other than the weights into the existing
+/// directory `dir` (not atomically: for a directory that is itself being built, e.g. inside
+/// [`crate::atomic::write_dir`]): `config.json` of `cfg` with `torch_dtype` = `dtype`,
+/// `generation_config.json` (BOS and the tokenizer's end-of-generation ids) and the tokenizer
+/// files ([`Tokenizer::save_hf`]).
+///
+/// # Errors
+/// [`Error::Io`] for write failures; the tokenizer's save errors.
+pub fn write_hf_metadata(cfg: &ModelConfig, tok: &Tokenizer, dir: &Path, dtype: ExportDtype) -> Result<()> {
     let json = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default();
     let config_path = dir.join("config.json");
     std::fs::write(&config_path, json(&cfg.to_hf_json(dtype.torch_name()))).map_err(io_err(&config_path))?;

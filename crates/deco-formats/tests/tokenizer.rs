@@ -72,40 +72,10 @@ fn run_vocab(name: &str) -> (usize, usize) {
     (passed, cases.len())
 }
 
-#[test]
-fn llama_cpp_vectors_gpt2() {
-    let (passed, total) = run_vocab("gpt-2");
-    assert_eq!(passed, total);
-}
-
-#[test]
-fn llama_cpp_vectors_qwen2() {
-    let (passed, total) = run_vocab("qwen2");
-    assert_eq!(passed, total);
-}
-
-#[test]
-fn llama_cpp_vectors_llama_bpe() {
-    let (passed, total) = run_vocab("llama-bpe");
-    assert_eq!(passed, total);
-}
-
-#[test]
-fn llama_cpp_vectors_starcoder() {
-    let (passed, total) = run_vocab("starcoder");
-    assert_eq!(passed, total);
-}
-
-#[test]
-fn llama_cpp_vectors_llama_spm() {
-    let (passed, total) = run_vocab("llama-spm");
-    assert_eq!(passed, total);
-}
-
-// The other vocabularies of llama.cpp's `models/` folder (llama-cpp-python 0.3.36 sdist) whose
-// tokenizer model and pre-tokenizer deco implements. Not tested, because deco refuses them with
-// an error naming the field: bert-bge (`bert` WordPiece) and gemma-4 (`gemma4`); aquila,
-// baichuan, gpt-neox and nomic-bert-moe come without test vectors.
+// Every vocabulary of llama.cpp's `models/` folder (llama-cpp-python 0.3.36 sdist) whose
+// tokenizer model and pre-tokenizer deco implements, one test each. Not tested, because deco
+// refuses them with an error naming the field: bert-bge (`bert` WordPiece) and gemma-4
+// (`gemma4`); aquila, baichuan, gpt-neox and nomic-bert-moe come without test vectors.
 macro_rules! llama_cpp_vectors {
     ($($test:ident => $name:literal),* $(,)?) => {$(
         #[test]
@@ -117,6 +87,11 @@ macro_rules! llama_cpp_vectors {
 }
 
 llama_cpp_vectors! {
+    llama_cpp_vectors_gpt2 => "gpt-2",
+    llama_cpp_vectors_qwen2 => "qwen2",
+    llama_cpp_vectors_llama_bpe => "llama-bpe",
+    llama_cpp_vectors_starcoder => "starcoder",
+    llama_cpp_vectors_llama_spm => "llama-spm",
     llama_cpp_vectors_command_r => "command-r",
     llama_cpp_vectors_deepseek_coder => "deepseek-coder",
     llama_cpp_vectors_falcon => "falcon",
