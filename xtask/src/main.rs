@@ -301,6 +301,22 @@ enum BenchCmd {
         /// Use this serve_bench binary instead of building the deco-serve example (release).
         #[arg(long, value_name = "PATH")]
         bench_bin: Option<PathBuf>,
+        /// Instead of the throughput benchmark: the soak and fault test of `deco serve`
+        /// (deco-cli's `serve_soak` example against the real binary; docs/reliability.md).
+        #[arg(long)]
+        soak: bool,
+        /// Soak: requests.
+        #[arg(long, default_value_t = 10_000, requires = "soak")]
+        requests: usize,
+        /// Soak: concurrent clients.
+        #[arg(long, default_value_t = 64, requires = "soak")]
+        clients: usize,
+        /// Soak: seed of the request generator.
+        #[arg(long, default_value_t = 1, requires = "soak")]
+        seed: u64,
+        /// Soak: the server's `--kv-cache-mib`.
+        #[arg(long, default_value_t = 128, requires = "soak")]
+        kv_cache_mib: usize,
     },
 }
 
@@ -478,7 +494,16 @@ fn real_main() -> Result<()> {
             only,
             deco_bin,
         }),
-        Cmd::Bench { which: BenchCmd::Serve { cache, repeats, quick, no_docs, bench_bin } } => serve::run(&serve::Options {
+        Cmd::Bench { which: BenchCmd::Serve { cache, soak: true, no_docs, requests, clients, seed, kv_cache_mib, .. } } => serve::soak(&serve::SoakOptions {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            requests,
+            clients,
+            seed,
+            kv_cache_mib,
+            no_docs,
+        }),
+        Cmd::Bench { which: BenchCmd::Serve { cache, repeats, quick, no_docs, bench_bin, .. } } => serve::run(&serve::Options {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
             no_mirror: cache.no_mirror,
             repeats,

@@ -9,6 +9,11 @@
 //! single-stream one (goal: ≥ 4× at 16 streams). Writes the section between
 //! `<!-- bench serve begin -->` and `<!-- bench serve end -->` of `docs/serving.md` and the plot
 //! `docs/serving/throughput.svg`; each run's raw output is kept in `<cache>/serve/run-<i>.txt`.
+//!
+//! `cargo xtask bench serve --soak` instead builds the release `deco` and deco-cli's
+//! `serve_soak` example (`crates/deco-cli/tests/soak/mod.rs`), runs the soak and fault test
+//! against the real `deco serve` process and writes its report between `<!-- soak begin -->` and
+//! `<!-- soak end -->` of `docs/reliability.md` (JSON and server log in `<cache>/soak/`).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -31,6 +36,75 @@ pub struct Options {
     pub no_docs: bool,
     /// Use this serve_bench binary instead of building the example.
     pub bench_bin: Option<PathBuf>,
+}
+
+/// Options of `bench serve --soak`.
+pub struct SoakOptions {
+    pub cache: PathBuf,
+    pub no_mirror: bool,
+    pub requests: usize,
+    pub clients: usize,
+    pub seed: u64,
+    pub kv_cache_mib: usize,
+    /// Do not rewrite docs/reliability.md.
+    pub no_docs: bool,
+}
+
+/// Replaces the text between `begin` and `end` of the file at `path` (appends the section when
+/// the markers are missing).
+fn splice_file(path: &Path, begin: &str, end: &str, md: &str) -> Result<()> {
+    let old = match fs::read_to_string(path) {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let new = match (old.find(begin), old.find(end)) {
+        (Some(b), Some(e)) if e > b => format!("{}{begin}\n{md}\n{}", &old[..b], &old[e..]),
+        _ => format!("{old}\n{begin}\n{md}\n{end}\n"),
+    };
+    fs::write(path, new).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Runs the soak (see the module docs); fails when a check fails, after writing the report.
+pub fn soak(o: &SoakOptions) -> Result<()> {
+    fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![What::Model] })?;
+    let model = o.cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    util::run(util::cargo().args(["build", "--release", "-p", "deco-cli", "--bin", "deco", "--example", "serve_soak"]))
+        .context("cannot build deco and the serve_soak example of deco-cli")?;
+    let release = bench::target_dir()?.join("release");
+    let work = o.cache.join("soak");
+    fs::create_dir_all(&work)?;
+    let loadavg = fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let json = work.join("report.json");
+    let mut cmd = Command::new(release.join("examples/serve_soak"));
+    cmd.arg("--deco").arg(release.join("deco")).arg("--model").arg(&model);
+    cmd.args(["--requests", &o.requests.to_string(), "--clients", &o.clients.to_string(), "--seed", &o.seed.to_string()]);
+    cmd.args(["--kv-cache-mib", &o.kv_cache_mib.to_string()]).arg("--out").arg(&json).arg("--log").arg(work.join("serve.log"));
+    cmd.stderr(Stdio::inherit());
+    eprintln!("+ {}", util::show(&cmd));
+    let out = cmd.output().context("cannot run serve_soak")?;
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    println!("{report}");
+    if !matches!(out.status.code(), Some(0 | 1)) {
+        bail!("serve_soak could not run ({}); see {}", out.status, work.join("serve.log").display());
+    }
+    let date = Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output().ok().map(|x| String::from_utf8_lossy(&x.stdout).trim().to_string()).unwrap_or_default();
+    let commit = Command::new("git").args(["rev-parse", "--short", "HEAD"]).current_dir(util::workspace_root()).output().ok().map(|x| String::from_utf8_lossy(&x.stdout).trim().to_string()).unwrap_or_default();
+    let cpu = fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find_map(|l| l.strip_prefix("model name")?.split(':').nth(1).map(|s| s.trim().to_string()))).unwrap_or_default();
+    let md = format!(
+        "Measured by `cargo xtask bench serve --soak --requests {} --clients {} --seed {} --kv-cache-mib {}` on {date} at commit `{commit}`, {} ({} cores; load average before: {}). \
+         Server: `deco serve` (release) on SmolLM2-135M-Instruct Q4_1, flex CPU backend, defaults otherwise (block size 16, `max_num_seqs` 64, `max_num_batched_tokens` 512).\n\n{report}",
+        o.requests, o.clients, o.seed, o.kv_cache_mib, cpu, std::thread::available_parallelism().map_or(0, |n| n.get()), loadavg.trim()
+    );
+    if !o.no_docs {
+        let path = util::workspace_root().join("docs/reliability.md");
+        splice_file(&path, "<!-- soak begin -->", "<!-- soak end -->", md.trim_end())?;
+        eprintln!("wrote {}", path.display());
+    }
+    if out.status.code() != Some(0) {
+        bail!("the soak failed a check (report above, JSON in {})", json.display());
+    }
+    Ok(())
 }
 
 /// One row of serve_bench's table.
@@ -186,17 +260,7 @@ pub fn run(o: &Options) -> Result<()> {
         fs::create_dir_all(docs.join("serving"))?;
         plot(&docs.join("serving/throughput.svg"), &runs)?;
         let path = docs.join("serving.md");
-        let old = match fs::read_to_string(&path) {
-            Ok(s) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
-        };
-        let (begin, end) = ("<!-- bench serve begin -->", "<!-- bench serve end -->");
-        let new = match (old.find(begin), old.find(end)) {
-            (Some(b), Some(e)) if e > b => format!("{}{begin}\n{md}\n{}", &old[..b], &old[e..]),
-            _ => format!("{old}\n{begin}\n{md}\n{end}\n"),
-        };
-        fs::write(&path, new)?;
+        splice_file(&path, "<!-- bench serve begin -->", "<!-- bench serve end -->", &md)?;
         eprintln!("wrote {} and docs/serving/throughput.svg", path.display());
     }
     Ok(())
