@@ -27,6 +27,15 @@ pub enum Target {
     /// Hugging Face directories: config.json (+ quantization_config) and model.safetensors.
     #[value(name = "hf_dir")]
     HfDir,
+    /// Hugging Face tokenizers: tokenizer_config.json and tokenizer.json, encode and decode.
+    #[value(name = "hf_tokenizer")]
+    HfTokenizer,
+    /// OpenAI request bodies through the server's own parsers (`prepare_completion`/`prepare_chat`).
+    #[value(name = "openai_request")]
+    OpenaiRequest,
+    /// AutoDeco head directories: autodeco_config.json and autodeco_heads.safetensors.
+    #[value(name = "autodeco_heads")]
+    AutodecoHeads,
 }
 
 impl Target {
@@ -35,6 +44,9 @@ impl Target {
             Target::Gguf => "gguf",
             Target::ChatTemplate => "chat_template",
             Target::HfDir => "hf_dir",
+            Target::HfTokenizer => "hf_tokenizer",
+            Target::OpenaiRequest => "openai_request",
+            Target::AutodecoHeads => "autodeco_heads",
         }
     }
 
@@ -44,6 +56,9 @@ impl Target {
             Target::Gguf => 65_536,
             Target::ChatTemplate => 16_384,
             Target::HfDir => 131_072,
+            Target::HfTokenizer => 65_536,
+            Target::OpenaiRequest => 16_384,
+            Target::AutodecoHeads => 16_384,
         }
     }
 }
@@ -94,7 +109,12 @@ pub fn run(o: &Options) -> Result<()> {
     let mut artifact_prefix = std::ffi::OsString::from("-artifact_prefix=");
     artifact_prefix.push(&artifacts);
     artifact_prefix.push("/");
+    let model = o.cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if o.target == Target::OpenaiRequest {
+        fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![What::Model] })?;
+    }
     let out = Command::new(&bin)
+        .env("DECO_FUZZ_MODEL", &model)
         .arg(format!("-max_total_time={}", o.time))
         .arg(format!("-max_len={}", o.target.max_len()))
         .args(["-timeout=1", "-rss_limit_mb=2048", "-malloc_limit_mb=2048", "-print_final_stats=1"])
@@ -186,8 +206,10 @@ fn seed(o: &Options, root: &Path, corpus: &Path) -> Result<()> {
                 }
             }
         }
-        Target::ChatTemplate => {
-            let seeds = root.join("fuzz/seeds/chat_template");
+        Target::HfTokenizer => seed_tokenizers(o, corpus)?,
+        Target::AutodecoHeads => seed_heads(root, corpus)?,
+        Target::ChatTemplate | Target::OpenaiRequest => {
+            let seeds = root.join("fuzz/seeds").join(o.target.name());
             for e in fs::read_dir(&seeds).with_context(|| format!("cannot list {}", seeds.display()))? {
                 let p = e?.path();
                 let to = corpus.join(p.file_name().context("seed without a name")?);
@@ -196,5 +218,122 @@ fn seed(o: &Options, root: &Path, corpus: &Path) -> Result<()> {
         }
     }
     eprintln!("seeded {} with {} inputs", corpus.display(), count_files(corpus)?);
+    Ok(())
+}
+
+/// A seed of the (u16 length, first file, second file) layout of `hf_dir`, `hf_tokenizer` and
+/// `autodeco_heads`.
+fn pair_seed(first: &[u8], second: &[u8]) -> Result<Vec<u8>> {
+    let mut seed = u16::try_from(first.len()).context("first file of a seed over 64 KiB")?.to_le_bytes().to_vec();
+    seed.extend_from_slice(first);
+    seed.extend_from_slice(second);
+    Ok(seed)
+}
+
+/// `hf_tokenizer` seeds from SmolLM2's real tokenizer: `deco convert` writes its Hugging Face
+/// files (once, into `<cache>/fuzz/smollm2-hf`), then the byte-level BPE is cut to its first
+/// `n` tokens (and the merges among them, special tokens kept) so that one execution stays
+/// fast; with and without tokenizer_config.json.
+fn seed_tokenizers(o: &Options, corpus: &Path) -> Result<()> {
+    fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![What::Model] })?;
+    let hf = o.cache.join("fuzz/smollm2-hf");
+    if !hf.join("tokenizer.json").is_file() {
+        let deco = crate::bench::deco_binary(None)?;
+        util::run(Command::new(&deco).arg("convert").arg(o.cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf")).arg(&hf).args(["--dtype", "bf16"]))
+            .context("deco convert (for the tokenizer seeds)")?;
+    }
+    let read = |n: &str| fs::read(hf.join(n)).with_context(|| format!("cannot read {}/{n}", hf.display()));
+    let config = read("tokenizer_config.json")?;
+    let full: serde_json::Value = serde_json::from_slice(&read("tokenizer.json")?).context("tokenizer.json")?;
+    for n in [64usize, 400, 1500] {
+        let mut t = full.clone();
+        let vocab = t["model"]["vocab"].as_object().context("tokenizer.json without model.vocab")?;
+        let keep: serde_json::Map<String, serde_json::Value> =
+            vocab.iter().filter(|(_, id)| id.as_u64().is_some_and(|i| (i as usize) < n)).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let merges: Vec<serde_json::Value> = t["model"]["merges"]
+            .as_array()
+            .map(|m| {
+                m.iter()
+                    .filter(|x| {
+                        let parts: Vec<String> = match x {
+                            serde_json::Value::String(s) => s.split(' ').map(str::to_string).collect(),
+                            serde_json::Value::Array(a) => a.iter().filter_map(|p| p.as_str().map(str::to_string)).collect(),
+                            _ => vec![],
+                        };
+                        parts.len() == 2 && keep.contains_key(&parts[0]) && keep.contains_key(&parts[1]) && keep.contains_key(&parts.concat())
+                    })
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        t["model"]["vocab"] = serde_json::Value::Object(keep);
+        t["model"]["merges"] = serde_json::Value::Array(merges);
+        let bytes = serde_json::to_vec(&t)?;
+        fs::write(corpus.join(format!("smollm2-{n}-with-config")), pair_seed(&config, &bytes)?)?;
+        fs::write(corpus.join(format!("smollm2-{n}")), pair_seed(b"", &bytes)?)?;
+    }
+    Ok(())
+}
+
+/// `autodeco_heads` seeds: the shipped SmolLM2 heads (assets/autodeco) cut to tiny sizes (hidden
+/// 8, head hidden 4, vocabulary 16: the top-left block of every real tensor), with and without
+/// the enhanced features and the temperature LayerNorm, written as safetensors by hand (8-byte
+/// header length, JSON header, little-endian f32 data).
+fn seed_heads(root: &Path, corpus: &Path) -> Result<()> {
+    let real = root.join("assets/autodeco/smollm2-135m-instruct-gsm/autodeco_heads.safetensors");
+    let bytes = fs::read(&real).with_context(|| format!("cannot read {}", real.display()))?;
+    let hlen = u64::from_le_bytes(bytes.get(..8).context("short safetensors")?.try_into()?) as usize;
+    let header: serde_json::Value = serde_json::from_slice(bytes.get(8..8 + hlen).context("short safetensors header")?)?;
+    let data = &bytes[8 + hlen..];
+    // The real tensor `name` cut to `rows x cols` (zeros where the real one is smaller).
+    let cut = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>> {
+        let h = &header[name];
+        let shape: Vec<usize> = h["shape"].as_array().context("shape")?.iter().filter_map(|v| v.as_u64().map(|x| x as usize)).collect();
+        let start = h["data_offsets"][0].as_u64().context("offsets")? as usize;
+        let (r0, c0) = if shape.len() == 2 { (shape[0], shape[1]) } else { (1, shape[0]) };
+        let at = |r: usize, c: usize| -> f32 {
+            if r >= r0 || c >= c0 {
+                return 0.0;
+            }
+            let o = start + 4 * (r * c0 + c);
+            data.get(o..o + 4).map_or(0.0, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        Ok((0..rows).flat_map(|r| (0..cols).map(move |c| (r, c))).map(|(r, c)| at(r, c)).collect())
+    };
+    let (h, k, vocab) = (8usize, 4usize, 16usize);
+    for (enhanced, norm) in [(true, false), (false, false), (true, true)] {
+        let top_in = h + 1 + if enhanced { 4 } else { 0 };
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = vec![
+            ("temp_head.mlp.0.weight".into(), vec![k, h], cut("temp_head.mlp.0.weight", k, h)?),
+            ("temp_head.mlp.0.bias".into(), vec![k], cut("temp_head.mlp.0.bias", 1, k)?),
+            ("temp_head.mlp.2.weight".into(), vec![1, k], cut("temp_head.mlp.2.weight", 1, k)?),
+            ("temp_head.mlp.2.bias".into(), vec![1], cut("temp_head.mlp.2.bias", 1, 1)?),
+            ("top_p_head.mlp.0.weight".into(), vec![k, top_in], cut("top_p_head.mlp.0.weight", k, top_in)?),
+            ("top_p_head.mlp.0.bias".into(), vec![k], cut("top_p_head.mlp.0.bias", 1, k)?),
+            ("top_p_head.mlp.2.weight".into(), vec![1, k], cut("top_p_head.mlp.2.weight", 1, k)?),
+            ("top_p_head.mlp.2.bias".into(), vec![1], cut("top_p_head.mlp.2.bias", 1, 1)?),
+        ];
+        if norm {
+            tensors.push(("temp_head.norm.weight".into(), vec![h], vec![1.0; h]));
+            tensors.push(("temp_head.norm.bias".into(), vec![h], vec![0.0; h]));
+        }
+        let mut head = serde_json::Map::new();
+        head.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+        let mut payload = Vec::new();
+        for (name, shape, v) in &tensors {
+            let a = payload.len();
+            payload.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            head.insert(name.clone(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [a, payload.len()]}));
+        }
+        let mut hj = serde_json::to_vec(&serde_json::Value::Object(head))?;
+        while hj.len() % 8 != 0 {
+            hj.push(b' ');
+        }
+        let mut st = (hj.len() as u64).to_le_bytes().to_vec();
+        st.extend_from_slice(&hj);
+        st.extend_from_slice(&payload);
+        let config = serde_json::json!({"hidden_size": h, "head_hidden_size": k, "use_enhanced_features": enhanced, "temp_layer_norm": norm, "vocab_size": vocab});
+        fs::write(corpus.join(format!("heads-enhanced{enhanced}-norm{norm}")), pair_seed(&serde_json::to_vec_pretty(&config)?, &st)?)?;
+    }
     Ok(())
 }

@@ -83,6 +83,11 @@ impl AutoDecoConfig {
         }
     }
 
+    /// The configuration without its free-text `base_model` (for comparing shapes and options).
+    pub fn without_base_model(&self) -> Self {
+        Self { base_model: None, ..self.clone() }
+    }
+
     /// Input width of the top-p head: `H + 1 (+ 4)`.
     pub fn top_p_input(&self) -> usize {
         self.hidden_size + 1 + if self.use_enhanced_features { NUM_STATS } else { 0 }
@@ -103,6 +108,11 @@ impl AutoDecoConfig {
     pub fn validate(&self) -> Result<()> {
         if self.hidden_size == 0 || self.head_hidden_size == 0 || self.vocab_size < 2 {
             return Err(invalid("autodeco config", "hidden_size, head_hidden_size must be >= 1 and vocab_size >= 2"));
+        }
+        // Bounds far above any real model (hidden 16,384, vocabulary 256k), so that sizes
+        // derived from them (`top_p_input`, `num_params`) cannot overflow.
+        if self.hidden_size > 1 << 20 || self.head_hidden_size > 1 << 16 || self.vocab_size > 1 << 24 {
+            return Err(invalid("autodeco config", "hidden_size must be <= 2^20, head_hidden_size <= 2^16 and vocab_size <= 2^24"));
         }
         Ok(())
     }
@@ -318,7 +328,8 @@ impl HostHeads {
     /// `[vocab]` (the statistics are computed from `softmax(logits / T)`).
     ///
     /// # Errors
-    /// [`Error::Shape`] if `hidden` is not `H` long or `logits` not `vocab_size` long.
+    /// [`Error::Shape`] if `hidden` is not `H` long or `logits` not `vocab_size` long, or if the
+    /// prediction is not finite (weights so large that f32 overflows).
     pub fn predict(&self, hidden: &[f32], logits: &[f32]) -> Result<HeadOutput> {
         if hidden.len() != self.cfg.hidden_size {
             return Err(Error::Shape(format!("hidden state has {} values, the heads expect {}", hidden.len(), self.cfg.hidden_size)));
@@ -357,7 +368,12 @@ impl HostHeads {
         self.top_p_fc1.forward(&feat, &mut a);
         a.iter_mut().for_each(|v| *v = v.max(0.0));
         self.top_p_fc2.forward(&a, &mut b);
-        Ok(HeadOutput { temperature, top_p: sigmoid_f(b[0]) })
+        let top_p = sigmoid_f(b[0]);
+        if !temperature.is_finite() || !top_p.is_finite() {
+            // Finite but huge weights can overflow to inf - inf.
+            return Err(Error::Shape(format!("the heads produced a non-finite prediction (temperature {temperature}, top_p {top_p}); their weights overflow f32")));
+        }
+        Ok(HeadOutput { temperature, top_p })
     }
 
     /// Size of the weights in bytes (f32).
@@ -390,6 +406,15 @@ impl HostHeads {
     /// # Errors
     /// [`Error::Io`] on any file-system failure.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        self.save_with(dir, &[])
+    }
+
+    /// [`HostHeads::save`] with more files (name, bytes) written into the same directory in the
+    /// same atomic step (a checkpoint's `loss.csv`).
+    ///
+    /// # Errors
+    /// As [`HostHeads::save`].
+    pub fn save_with(&self, dir: &Path, extra: &[(&str, &[u8])]) -> Result<()> {
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         let mut push_lin = |name: &str, l: &HostLinear| {
             // burn [in, out] -> PyTorch [out, in]
@@ -425,7 +450,12 @@ impl HostHeads {
                 let wpath = tmp.join(WEIGHTS_FILE);
                 std::fs::write(&wpath, &bytes).map_err(io_err(&wpath))?;
                 let cpath = tmp.join(CONFIG_FILE);
-                std::fs::write(&cpath, json + "\n").map_err(io_err(&cpath))
+                std::fs::write(&cpath, json + "\n").map_err(io_err(&cpath))?;
+                for (name, bytes) in extra {
+                    let p = tmp.join(name);
+                    std::fs::write(&p, bytes).map_err(io_err(&p))?;
+                }
+                Ok(())
             },
             |p, e| io_err(p)(e),
         )?;

@@ -204,6 +204,15 @@ pub fn evaluate(heads: &AutoDecoHeads, cfg: &AutoDecoConfig, pool: &TokenPool, r
     Ok((st / n.max(1) as f64, sp / n.max(1) as f64))
 }
 
+/// Where a resumed run starts (`deco autodeco train --resume`).
+#[derive(Debug, Clone)]
+pub struct ResumeFrom {
+    /// Optimizer steps already done.
+    pub step: usize,
+    /// The heads after `step` steps (a checkpoint).
+    pub heads: HostHeads,
+}
+
 /// Trains fresh heads (`cfg`) on `train` positions, evaluating on `heldout` positions, and returns
 /// the trained heads (host copy) and the loss curve. `progress` is called after every step.
 ///
@@ -220,6 +229,34 @@ pub fn train(
     head: &FrozenHead,
     progress: &mut dyn FnMut(&LogRow),
 ) -> Result<(HostHeads, Vec<LogRow>)> {
+    train_from(cfg, tc, train, heldout, head, None, 0, progress, &mut |_, _| Ok(()))
+}
+
+/// [`train`], optionally continued from a checkpoint (`resume`), handing the heads to `save`
+/// every `checkpoint_every` steps and after the last one (`checkpoint_every` 0: never).
+///
+/// A resumed run draws the same batches and easy-token masks as the uninterrupted run would
+/// (the random draws of the steps already done are replayed; they need only the pool's labels),
+/// and its log starts at step `resume.step + 1` (no step-0 row). Its Adam moments restart from
+/// zero, since a checkpoint holds the heads only (as `deco distill --resume`): a resumed run
+/// is deterministic, but not bit-identical to an uninterrupted one. When `resume.step` equals
+/// `tc.steps` nothing is trained and the checkpoint's heads are returned.
+///
+/// # Errors
+/// As [`train`]; a `resume` beyond `tc.steps` or with another configuration than `cfg`; the
+/// errors of `save`.
+#[allow(clippy::too_many_arguments)]
+pub fn train_from(
+    cfg: &AutoDecoConfig,
+    tc: &TrainConfig,
+    train: &TokenPool,
+    heldout: &TokenPool,
+    head: &FrozenHead,
+    resume: Option<ResumeFrom>,
+    checkpoint_every: usize,
+    progress: &mut dyn FnMut(&LogRow),
+    save: &mut dyn FnMut(usize, &HostHeads) -> Result<()>,
+) -> Result<(HostHeads, Vec<LogRow>)> {
     tc.validate()?;
     cfg.validate()?;
     if train.is_empty() {
@@ -228,11 +265,33 @@ pub fn train(
     if train.hidden_size != cfg.hidden_size {
         return Err(Error::Shape(format!("pool hidden size {} != heads hidden size {}", train.hidden_size, cfg.hidden_size)));
     }
+    let start = resume.as_ref().map_or(0, |r| r.step);
+    if let Some(r) = &resume {
+        if r.step > tc.steps {
+            return Err(invalid("resume", format!("the checkpoint is at step {}, beyond --steps {}", r.step, tc.steps)));
+        }
+        if r.heads.config().without_base_model() != cfg.without_base_model() {
+            return Err(invalid("resume", format!("the checkpoint's heads ({:?}) do not match this run's ({cfg:?})", r.heads.config())));
+        }
+        if r.step == tc.steps {
+            return Ok((r.heads.clone(), Vec::new()));
+        }
+    }
     let ad = head.device.clone().autodiff();
     ad.seed(tc.seed);
-    let mut heads = AutoDecoHeads::init(cfg, &ad)?;
+    let mut heads = match &resume {
+        Some(r) => r.heads.to_module(&ad),
+        None => AutoDecoHeads::init(cfg, &ad)?,
+    };
     let mut optim = AdamConfig::new().init();
     let mut rng = ChaCha8Rng::seed_from_u64(tc.seed);
+    // Replay the draws of the steps already done (the same calls as below, in the same order).
+    for _ in 0..start {
+        let rows: Vec<usize> = (0..tc.batch_size).map(|_| rng.random_range(0..train.len())).collect();
+        let argmax: Vec<u32> = rows.iter().map(|&r| train.argmax[r]).collect();
+        let labels: Vec<u32> = rows.iter().map(|&r| train.labels[r]).collect();
+        let _ = easy_token_keep(&argmax, &labels, tc.easy_token_drop_prob, &mut rng);
+    }
     let mut held_rows: Vec<usize> = (0..heldout.len()).collect();
     held_rows.shuffle(&mut ChaCha8Rng::seed_from_u64(tc.seed ^ 0x5eed));
     held_rows.truncate(tc.max_heldout);
@@ -243,11 +302,13 @@ pub fn train(
         }
         evaluate(heads, cfg, heldout, &held_rows, head, &tc.loss, &head.device)
     };
-    let (ht, hp) = eval(&heads.valid())?;
-    let row0 = LogRow { step: 0, train_temp: f64::NAN, train_top_p: f64::NAN, heldout_temp: ht, heldout_top_p: hp, mean_temperature: f64::NAN, mean_top_p: f64::NAN, kept_fraction: f64::NAN };
-    progress(&row0);
-    log.push(row0);
-    for step in 1..=tc.steps {
+    if resume.is_none() {
+        let (ht, hp) = eval(&heads.valid())?;
+        let row0 = LogRow { step: 0, train_temp: f64::NAN, train_top_p: f64::NAN, heldout_temp: ht, heldout_top_p: hp, mean_temperature: f64::NAN, mean_top_p: f64::NAN, kept_fraction: f64::NAN };
+        progress(&row0);
+        log.push(row0);
+    }
+    for step in start + 1..=tc.steps {
         let rows: Vec<usize> = (0..tc.batch_size).map(|_| rng.random_range(0..train.len())).collect();
         let b = prepare(train, &rows, head, cfg.vocab_size)?;
         let keep = easy_token_keep(&b.argmax, &b.labels, tc.easy_token_drop_prob, &mut rng);
@@ -273,19 +334,21 @@ pub fn train(
         }
         progress(&row);
         log.push(row);
+        if checkpoint_every > 0 && (step % checkpoint_every == 0 || step == tc.steps) {
+            save(step, &heads.valid().to_host(cfg)?)?;
+        }
     }
     let host = heads.valid().to_host(cfg)?;
     Ok((host, log))
 }
 
-/// Writes the loss curve as CSV (`step,train_temp,train_top_p,heldout_temp,heldout_top_p,
-/// mean_temperature,mean_top_p,kept_fraction`; empty cells for NaN), atomically.
-///
-/// # Errors
-/// [`Error::Io`].
-pub fn write_log_csv(path: &std::path::Path, log: &[LogRow]) -> Result<()> {
+/// The CSV header of [`write_log_csv`].
+pub const LOG_CSV_HEADER: &str = "step,train_temp,train_top_p,heldout_temp,heldout_top_p,mean_temperature,mean_top_p,kept_fraction";
+
+/// Renders the loss curve as CSV text (see [`write_log_csv`]).
+pub fn log_csv(log: &[LogRow]) -> String {
     let f = |x: f64| if x.is_nan() { String::new() } else { format!("{x:.6}") };
-    let mut s = String::from("step,train_temp,train_top_p,heldout_temp,heldout_top_p,mean_temperature,mean_top_p,kept_fraction\n");
+    let mut s = format!("{LOG_CSV_HEADER}\n");
     for r in log {
         s.push_str(&format!(
             "{},{},{},{},{},{},{},{}\n",
@@ -299,5 +362,44 @@ pub fn write_log_csv(path: &std::path::Path, log: &[LogRow]) -> Result<()> {
             f(r.kept_fraction)
         ));
     }
-    crate::write_atomic(path, s.as_bytes())
+    s
+}
+
+/// Parses a loss curve written by [`write_log_csv`] (empty cells are NaN).
+///
+/// # Errors
+/// [`Error::Data`] naming the line for another header, a wrong number of cells or a bad number.
+pub fn parse_log_csv(text: &str) -> Result<Vec<LogRow>> {
+    let mut lines = text.lines();
+    if lines.next() != Some(LOG_CSV_HEADER) {
+        return Err(Error::Data(format!("the loss log does not start with `{LOG_CSV_HEADER}`")));
+    }
+    let mut rows = Vec::new();
+    for (i, l) in lines.enumerate() {
+        let cells: Vec<&str> = l.split(',').collect();
+        if cells.len() != 8 {
+            return Err(Error::Data(format!("loss log line {}: {} cells instead of 8", i + 2, cells.len())));
+        }
+        let num = |c: &str| -> Result<f64> { if c.is_empty() { Ok(f64::NAN) } else { c.parse().map_err(|_| Error::Data(format!("loss log line {}: `{c}` is not a number", i + 2))) } };
+        rows.push(LogRow {
+            step: cells[0].parse().map_err(|_| Error::Data(format!("loss log line {}: bad step `{}`", i + 2, cells[0])))?,
+            train_temp: num(cells[1])?,
+            train_top_p: num(cells[2])?,
+            heldout_temp: num(cells[3])?,
+            heldout_top_p: num(cells[4])?,
+            mean_temperature: num(cells[5])?,
+            mean_top_p: num(cells[6])?,
+            kept_fraction: num(cells[7])?,
+        });
+    }
+    Ok(rows)
+}
+
+/// Writes the loss curve as CSV (`step,train_temp,train_top_p,heldout_temp,heldout_top_p,
+/// mean_temperature,mean_top_p,kept_fraction`; empty cells for NaN), atomically.
+///
+/// # Errors
+/// [`Error::Io`].
+pub fn write_log_csv(path: &std::path::Path, log: &[LogRow]) -> Result<()> {
+    crate::write_atomic(path, log_csv(log).as_bytes())
 }

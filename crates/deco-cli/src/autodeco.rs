@@ -1,4 +1,11 @@
 //! `deco autodeco train`: train AutoDeco heads on a frozen base model.
+//!
+//! Every `--checkpoint-every` steps the heads and the loss log so far are written to
+//! `OUT/checkpoint-NNNNNN` (one atomic directory each; the last two are kept). `--resume`
+//! continues from the highest-numbered one: the same batches and masks as an uninterrupted run,
+//! the Adam moments restarting from zero (see `deco_autodeco::train::train_from`). At the end
+//! OUT is replaced, in one step, by the final heads (the checkpoints go with the old
+//! directory), then `loss.csv` and `loss.svg` are written into it.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -8,7 +15,8 @@ use clap::{Args, Subcommand};
 use deco_autodeco::data::{ChatExample, TokenPool, chat_example, collect_tokens, read_gsm_jsonl, strip_calculator};
 use deco_autodeco::heads::AutoDecoConfig;
 use deco_autodeco::loss::LossConfig;
-use deco_autodeco::train::{FrozenHead, TrainConfig, train, write_log_csv};
+use deco_autodeco::heads::HostHeads;
+use deco_autodeco::train::{FrozenHead, LogRow, ResumeFrom, TrainConfig, log_csv, parse_log_csv, train_from, write_log_csv};
 use deco_formats::chat_template::ChatTemplate;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -126,6 +134,12 @@ pub struct TrainArgs {
     /// Loss curve CSV (default: OUT/loss.csv).
     #[arg(long)]
     log_csv: Option<PathBuf>,
+    /// Write a checkpoint (`OUT/checkpoint-NNNNNN`) every this many steps (0: none).
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
+    /// Continue from the last checkpoint in OUT (same options as the interrupted run).
+    #[arg(long)]
+    resume: bool,
     /// Loss curve SVG plot (default: OUT/loss.svg).
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -150,6 +164,22 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
     pb
 }
 
+/// `OUT/checkpoint-NNNNNN` directories, by step.
+fn checkpoints(out: &std::path::Path) -> Result<Vec<(usize, PathBuf)>> {
+    let mut v = Vec::new();
+    if out.is_dir() {
+        for e in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
+            let e = e?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(n) = name.strip_prefix("checkpoint-").and_then(|s| s.parse::<usize>().ok()) {
+                v.push((n, e.path()));
+            }
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
 fn run_train(a: &TrainArgs) -> Result<()> {
     let tc = TrainConfig {
         steps: a.steps,
@@ -162,6 +192,22 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         max_heldout: 512,
     };
     tc.validate()?;
+    // Where to start: --resume needs a checkpoint in OUT; a fresh run refuses to mix with one.
+    let existing = checkpoints(&a.out)?;
+    let (resume, mut log_so_far): (Option<ResumeFrom>, Vec<LogRow>) = if a.resume {
+        let Some((step, dir)) = existing.last().cloned() else { bail!("--resume: no checkpoint-NNNNNN directory in {}", a.out.display()) };
+        let heads = HostHeads::load(&dir).with_context(|| format!("--resume: loading {}", dir.display()))?;
+        let csv = dir.join("loss.csv");
+        let text = std::fs::read_to_string(&csv).with_context(|| format!("--resume: reading {}", csv.display()))?;
+        let log = parse_log_csv(&text).with_context(|| csv.display().to_string())?;
+        eprintln!("[autodeco] resuming from {} (step {step} of {})", dir.display(), a.steps);
+        (Some(ResumeFrom { step, heads }), log)
+    } else {
+        if !existing.is_empty() {
+            bail!("{} holds checkpoints of an interrupted run: use --resume to continue it, or remove them", a.out.display());
+        }
+        (None, Vec::new())
+    };
     let items = read_gsm_jsonl(&a.data)?;
     if items.is_empty() {
         bail!("{}: no examples", a.data.display());
@@ -202,14 +248,30 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     let pb = bar(a.steps as u64, "train");
     let t1 = Instant::now();
     let mut last_held = String::new();
-    let (heads, log) = train(&cfg, &tc, &train_pool, &held_pool, &head, &mut |r| {
+    let log_cell = std::cell::RefCell::new(std::mem::take(&mut log_so_far));
+    let mut progress = |r: &LogRow| {
         if !r.heldout_temp.is_nan() {
             last_held = format!("held-out temp {:.4} top_p {:.4}", r.heldout_temp, r.heldout_top_p);
         }
         pb.set_position(r.step as u64);
         pb.set_prefix(format!("loss {:.4}+{:.4} T {:.3} P {:.3} | {last_held}", r.train_temp, r.train_top_p, r.mean_temperature, r.mean_top_p));
-    })?;
+        log_cell.borrow_mut().push(*r);
+    };
+    let out = a.out.clone();
+    let mut save = |step: usize, h: &HostHeads| -> deco_autodeco::Result<()> {
+        let csv = log_csv(&log_cell.borrow());
+        h.save_with(&out.join(format!("checkpoint-{step:06}")), &[("loss.csv", csv.as_bytes())])?;
+        // Keep the last two checkpoints.
+        if let Ok(all) = checkpoints(&out) {
+            for (_, old) in all.iter().rev().skip(2) {
+                let _ = std::fs::remove_dir_all(old);
+            }
+        }
+        Ok(())
+    };
+    let (heads, _) = train_from(&cfg, &tc, &train_pool, &held_pool, &head, resume, a.checkpoint_every, &mut progress, &mut save)?;
     pb.finish();
+    let log = log_cell.into_inner();
     let train_s = t1.elapsed().as_secs_f64();
     heads.save(&a.out)?;
     let csv = a.log_csv.clone().unwrap_or_else(|| a.out.join("loss.csv"));

@@ -23,4 +23,4 @@ pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Metri
 pub use error::{Error, Result};
 pub use paged_cache::{CacheShape, PagedKvCache};
 pub use scheduler::{Chunk, SchedSeq, Scheduler, SchedulerConfig, StepPlan};
-pub use server::{ServerState, router, serve, shutdown_signal};
+pub use server::{ApiError, PreparedRequest, RequestContext, ServerState, prepare_chat, prepare_completion, router, serve, shutdown_signal};

@@ -11,7 +11,14 @@
 //!
 //! Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400
 //! `invalid_request_error` for malformed JSON, unknown model, out-of-range parameters or a
-//! prompt beyond the context; 429 when too many requests are pending; 503 while shutting down.
+//! prompt beyond the context; 413 for a body over [`MAX_BODY_BYTES`]; 429 when too many
+//! requests are pending; 503 while shutting down.
+//!
+//! An oversize body is still read and dropped (up to [`DRAIN_BODY_BYTES`], for at most
+//! [`DRAIN_BODY_TIME`]) before the 413 is sent, as nginx's lingering close does: a server that
+//! closes the connection while the client is still sending makes the kernel reset it, and the
+//! client never reads the answer (seen in the soak test, 10 of 190 oversize requests, before
+//! this).
 //! A client that disconnects drops its event receiver, and the engine frees its blocks at the
 //! next step.
 
@@ -20,7 +27,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event, Sse};
@@ -62,6 +69,16 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// The HTTP status of the response.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The error message (`error.message`).
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     fn bad(message: impl Into<String>) -> Self {
         Self { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: None, code: None }
     }
@@ -91,6 +108,43 @@ impl IntoResponse for ApiError {
 }
 
 type ApiResult<T> = std::result::Result<T, ApiError>;
+
+/// Largest request body accepted, in bytes (2 MiB, axum's default limit).
+pub const MAX_BODY_BYTES: usize = 2 << 20;
+/// Most bytes of an oversize body read (and dropped) before the 413 is sent.
+pub const DRAIN_BODY_BYTES: usize = 64 << 20;
+/// Longest time spent reading an oversize body before the 413 is sent.
+pub const DRAIN_BODY_TIME: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Reads a request body of at most [`MAX_BODY_BYTES`]; for a larger one, drains the rest (see
+/// the module docs) and answers 413.
+async fn read_body(body: Body) -> ApiResult<Bytes> {
+    let mut stream = body.into_data_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut total = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ApiError::bad(format!("cannot read the request body: {e}")))?;
+        total += chunk.len();
+        if total > MAX_BODY_BYTES {
+            let deadline = tokio::time::Instant::now() + DRAIN_BODY_TIME;
+            while total <= DRAIN_BODY_BYTES {
+                match tokio::time::timeout_at(deadline, stream.next()).await {
+                    Ok(Some(Ok(c))) => total += c.len(),
+                    _ => break,
+                }
+            }
+            return Err(ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                message: format!("the request body is larger than {MAX_BODY_BYTES} bytes"),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("request_too_large"),
+            });
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(buf))
+}
 
 /// The router with every route.
 pub fn router(state: Arc<ServerState>) -> Router {
@@ -166,7 +220,75 @@ fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-fn parse_body(body: &Bytes) -> ApiResult<Value> {
+/// What the request parsers need to know about the server: everything but the engine, so that
+/// [`prepare_completion`] and [`prepare_chat`] can run (and be fuzzed) without a model.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestContext<'a> {
+    /// The model's tokenizer.
+    pub tokenizer: &'a Tokenizer,
+    /// The model's chat template.
+    pub template: Option<&'a ChatTemplate>,
+    /// The served model name.
+    pub model_name: &'a str,
+    /// Largest prompt + completion, in tokens, that one sequence may use: the model's context
+    /// and the KV pool's capacity, whichever is smaller (the default `max_tokens` of a chat
+    /// request is what is left of it after the prompt).
+    pub max_sequence_tokens: usize,
+}
+
+impl ServerState {
+    /// The parsers' view of this server.
+    pub fn request_context(&self) -> RequestContext<'_> {
+        let cfg = self.engine.config();
+        RequestContext {
+            tokenizer: &self.tokenizer,
+            template: self.template.as_ref(),
+            model_name: &self.model_name,
+            max_sequence_tokens: self.engine.max_context().min(cfg.num_blocks * cfg.block_size),
+        }
+    }
+}
+
+/// A request body checked and turned into prompts and sampling parameters, ready for
+/// [`EngineHandle::submit`] (one submission per prompt).
+#[derive(Debug, Clone)]
+pub struct PreparedRequest {
+    /// Token ids of each prompt (several for a completion request with a list of prompts).
+    pub prompts: Vec<Vec<u32>>,
+    /// Sampling parameters, validated; `max_new_tokens` is set unless it depends on the prompt
+    /// (then [`PreparedRequest::max_new_tokens_for`] gives it).
+    pub params: SamplingParams,
+    /// Choices per prompt.
+    pub n: usize,
+    /// Stream server-sent events.
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+    /// Report logprobs.
+    pub want_logprobs: bool,
+    default_max: DefaultMax,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum DefaultMax {
+    /// OpenAI's default for completions: 16.
+    Fixed(usize),
+    /// Chat: the rest of the sequence budget.
+    RestOf(usize),
+}
+
+impl PreparedRequest {
+    /// `max_new_tokens` of one prompt: the request's, else the endpoint's default (16 for
+    /// completions as OpenAI; the rest of the sequence budget for chat), at least 1.
+    pub fn max_new_tokens_for(&self, prompt_len: usize) -> usize {
+        self.params.max_new_tokens.unwrap_or(match self.default_max {
+            DefaultMax::Fixed(m) => m,
+            DefaultMax::RestOf(cap) => cap.saturating_sub(prompt_len),
+        }).max(1)
+    }
+}
+
+fn parse_body(body: &[u8]) -> ApiResult<Value> {
     let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))?;
     if !v.is_object() {
         return Err(ApiError::bad("the request body must be a JSON object"));
@@ -174,7 +296,7 @@ fn parse_body(body: &Bytes) -> ApiResult<Value> {
     Ok(v)
 }
 
-fn check_model(st: &ServerState, model: Option<&str>) -> ApiResult<()> {
+fn check_model(st: &RequestContext<'_>, model: Option<&str>) -> ApiResult<()> {
     match model {
         Some(m) if m != st.model_name => Err(ApiError {
             code: Some("model_not_found"),
@@ -200,20 +322,18 @@ struct Submitted {
     n: usize,
 }
 
-fn submit_all(st: &ServerState, prompts: Vec<Vec<u32>>, params: &SamplingParams, n: usize, default_max: impl Fn(usize) -> usize) -> ApiResult<Submitted> {
-    let mut rxs = Vec::with_capacity(prompts.len());
+fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
+    let mut rxs = Vec::with_capacity(prep.prompts.len());
     let mut prompt_tokens = 0;
-    for p in prompts {
-        let mut params = params.clone();
-        if params.max_new_tokens.is_none() {
-            params.max_new_tokens = Some(default_max(p.len()).max(1));
-        }
+    for p in &prep.prompts {
+        let mut params = prep.params.clone();
+        params.max_new_tokens = Some(prep.max_new_tokens_for(p.len()));
         prompt_tokens += p.len();
         // Receivers already obtained are dropped on error, which cancels those requests.
-        let (_, rx) = st.engine.submit(GenerateRequest { prompt: p, params, n })?;
+        let (_, rx) = st.engine.submit(GenerateRequest { prompt: p.clone(), params, n: prep.n })?;
         rxs.push(rx);
     }
-    Ok(Submitted { rxs, prompt_tokens, n })
+    Ok(Submitted { rxs, prompt_tokens, n: prep.n })
 }
 
 fn token_text(tok: &Tokenizer, id: u32) -> String {
@@ -386,10 +506,17 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
     Sse::new(body.boxed())
 }
 
-async fn completions(State(st): State<Arc<ServerState>>, body: Bytes) -> ApiResult<Response> {
-    let v = parse_body(&body)?;
+/// Checks a `/v1/completions` body and tokenizes its prompt(s); everything the handler does
+/// before it submits to the engine.
+///
+/// # Errors
+/// A 400 [`ApiError`] naming the problem: not JSON or not an object, a field of the wrong type,
+/// another model, an unsupported field (`echo`, `suffix`, `best_of != n`), `max_tokens` 0, an
+/// invalid sampling parameter, an empty prompt, token ids beyond the vocabulary.
+pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result<PreparedRequest, ApiError> {
+    let v = parse_body(body)?;
     let req: CompletionRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid completion request: {e}")))?;
-    check_model(&st, req.model.as_deref())?;
+    check_model(st, req.model.as_deref())?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
     if req.echo == Some(true) {
         return Err(ApiError::bad("echo is not supported").param("echo"));
@@ -424,11 +551,25 @@ async fn completions(State(st): State<Arc<ServerState>>, body: Bytes) -> ApiResu
     if prompts.iter().flatten().any(|&t| t as usize >= vocab) {
         return Err(ApiError::bad(format!("prompt token ids must be below the vocabulary size {vocab}")).param("prompt"));
     }
-    let sub = submit_all(&st, prompts, &params, n, |_| 16)?;
+    Ok(PreparedRequest {
+        prompts,
+        params,
+        n,
+        stream: req.stream == Some(true),
+        include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        want_logprobs: req.logprobs.is_some(),
+        default_max: DefaultMax::Fixed(16),
+    })
+}
+
+async fn completions(State(st): State<Arc<ServerState>>, body: Body) -> ApiResult<Response> {
+    let body = read_body(body).await?;
+    let prep = prepare_completion(&st.request_context(), &body)?;
+    let (stream, include_usage, want_logprobs) = (prep.stream, prep.include_usage, prep.want_logprobs);
+    let sub = submit_all(&st, prep)?;
     let id = format!("cmpl-{}", uniq());
-    if req.stream == Some(true) {
-        let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        return Ok(sse_stream(st.clone(), sub, Kind::Completion, id, include_usage, req.logprobs.is_some()).into_response());
+    if stream {
+        return Ok(sse_stream(st.clone(), sub, Kind::Completion, id, include_usage, want_logprobs).into_response());
     }
     let prompt_tokens = sub.prompt_tokens;
     let (accs, completion) = collect(sub).await?;
@@ -439,7 +580,7 @@ async fn completions(State(st): State<Arc<ServerState>>, body: Bytes) -> ApiResu
             json!({
                 "index": i,
                 "text": a.text,
-                "logprobs": if req.logprobs.is_some() { completion_logprobs(&st.tokenizer, &a.tokens) } else { Value::Null },
+                "logprobs": if want_logprobs { completion_logprobs(&st.tokenizer, &a.tokens) } else { Value::Null },
                 "finish_reason": a.finish.map(|f| f.as_openai_str()),
             })
         })
@@ -457,12 +598,20 @@ fn uniq() -> String {
     format!("{:x}{:04x}", now(), N.fetch_add(1, Ordering::Relaxed))
 }
 
-async fn chat_completions(State(st): State<Arc<ServerState>>, body: Bytes) -> ApiResult<Response> {
-    let v = parse_body(&body)?;
+/// Checks a `/v1/chat/completions` body, renders the conversation through the model's chat
+/// template and tokenizes it; everything the handler does before it submits to the engine.
+///
+/// # Errors
+/// A 400 [`ApiError`] naming the problem: not JSON or not an object, a field of the wrong type,
+/// another model, no chat template, no messages, a non-text content part, `max_tokens` 0,
+/// `top_logprobs` without `logprobs`, an invalid sampling parameter, a template that fails to
+/// render (or exceeds its render budget).
+pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result<PreparedRequest, ApiError> {
+    let v = parse_body(body)?;
     let req: ChatRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid chat request: {e}")))?;
-    check_model(&st, req.model.as_deref())?;
+    check_model(st, req.model.as_deref())?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
-    let Some(template) = &st.template else {
+    let Some(template) = st.template else {
         return Err(ApiError::bad("this model has no chat template; use /v1/completions"));
     };
     if req.messages.is_empty() {
@@ -503,11 +652,24 @@ async fn chat_completions(State(st): State<Arc<ServerState>>, body: Bytes) -> Ap
     let eos = st.tokenizer.eos_token().unwrap_or_default();
     let text = template.render(&messages, req.add_generation_prompt.unwrap_or(true), &bos, &eos).map_err(|e| ApiError::bad(e.to_string()))?;
     let prompt = st.tokenizer.encode_with(&text, false, true).map_err(Error::from)?;
-    let cap = st.engine.max_context().min(st.engine.config().num_blocks * st.engine.config().block_size);
-    let sub = submit_all(&st, vec![prompt], &params, n, |p| cap.saturating_sub(p))?;
+    Ok(PreparedRequest {
+        prompts: vec![prompt],
+        params,
+        n,
+        stream: req.stream == Some(true),
+        include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        want_logprobs,
+        default_max: DefaultMax::RestOf(st.max_sequence_tokens),
+    })
+}
+
+async fn chat_completions(State(st): State<Arc<ServerState>>, body: Body) -> ApiResult<Response> {
+    let body = read_body(body).await?;
+    let prep = prepare_chat(&st.request_context(), &body)?;
+    let (stream, include_usage, want_logprobs) = (prep.stream, prep.include_usage, prep.want_logprobs);
+    let sub = submit_all(&st, prep)?;
     let id = format!("chatcmpl-{}", uniq());
-    if req.stream == Some(true) {
-        let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    if stream {
         return Ok(sse_stream(st.clone(), sub, Kind::Chat, id, include_usage, want_logprobs).into_response());
     }
     let prompt_tokens = sub.prompt_tokens;

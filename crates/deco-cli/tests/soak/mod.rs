@@ -12,7 +12,8 @@
 //!    logprobs. Mixed in: 20 % cancelled at a random point (after some streamed events or after a
 //!    random delay), 5 % slow readers (a pause between body frames), 2 % clients that send the
 //!    request and never read (raw socket, held open, then dropped), 2 % bodies over the server's
-//!    2 MiB limit (must get 413), 4 % malformed bodies (truncated or non-object JSON, wrong types,
+//!    2 MiB limit (must get a 413 with an OpenAI error body, which the client, still sending,
+//!    must be able to read), 4 % malformed bodies (truncated or non-object JSON, wrong types,
 //!    out-of-range parameters, invalid UTF-8, unknown model: must get 400 with an OpenAI error
 //!    body).
 //! 2. Every response that completes is checked: status, JSON of every event, one
@@ -331,11 +332,9 @@ pub async fn run_request(addr: SocketAddr, r: &Req) -> (Outcome, Option<Timing>)
     }
     let (conn, resp) = match send(addr, path, "POST", r.body.clone()).await {
         Ok(x) => x,
-        Err(e) => {
-            // An oversize body may be answered and the connection closed while hyper still
-            // writes it; that is a refusal, not a failure, only when the server said 413.
-            return (Outcome::Failed(format!("{e} ({:?})", r.fault)), None);
-        }
+        // Also for an oversize body: the server must read it (and answer 413), not reset the
+        // connection while the client is still sending.
+        Err(e) => return (Outcome::Failed(format!("{e} ({:?})", r.fault)), None),
     };
     let status = resp.status().as_u16();
     let ctype = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
@@ -349,14 +348,12 @@ pub async fn run_request(addr: SocketAddr, r: &Req) -> (Outcome, Option<Timing>)
             if status != want {
                 return (Outcome::Failed(format!("{:?}: status {status} instead of {want}: {}", r.fault, String::from_utf8_lossy(&body))), None);
             }
-            if want == 400 {
-                let v: Value = match serde_json::from_slice(&body) {
-                    Ok(v) => v,
-                    Err(e) => return (Outcome::Failed(format!("400 body is not JSON ({e})")), None),
-                };
-                if !v["error"]["message"].is_string() || v["error"]["type"] != "invalid_request_error" {
-                    return (Outcome::Failed(format!("400 body is not an OpenAI error: {v}")), None);
-                }
+            let v: Value = match serde_json::from_slice(&body) {
+                Ok(v) => v,
+                Err(e) => return (Outcome::Failed(format!("{status} body is not JSON ({e})")), None),
+            };
+            if !v["error"]["message"].is_string() || v["error"]["type"] != "invalid_request_error" {
+                return (Outcome::Failed(format!("{status} body is not an OpenAI error: {v}")), None);
             }
             drop(conn);
             return (Outcome::Refused(status), None);
@@ -699,7 +696,7 @@ fn metric(text: &str, name: &str) -> Option<u64> {
 }
 
 /// Starts `deco serve`, returns the child and its address.
-fn start_server(c: &Config) -> Result<(Child, SocketAddr), String> {
+pub fn start_server(c: &Config) -> Result<(Child, SocketAddr), String> {
     let log = std::fs::File::create(&c.log).map_err(|e| format!("cannot create {}: {e}", c.log.display()))?;
     let mut child = Command::new(&c.deco)
         .args(["serve", "--port", "0", "--served-model-name", "soak", "--max-model-len", "2048"])
@@ -760,6 +757,7 @@ pub fn run(c: &Config) -> Result<Report, String> {
         let mut tasks = Vec::new();
         for _ in 0..c.clients {
             let (next, done, seed, total) = (next.clone(), done.clone(), c.seed, c.requests);
+            let t_start = t0;
             tasks.push(tokio::spawn(async move {
                 let mut out = Vec::new();
                 loop {
@@ -769,7 +767,10 @@ pub fn run(c: &Config) -> Result<Report, String> {
                     }
                     let r = make_request(seed, i);
                     let (o, t) = run_request(addr, &r).await;
-                    done.fetch_add(1, Ordering::Relaxed);
+                    let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+                    if total >= 1000 && d % (total / 10) == 0 {
+                        eprintln!("soak: {d}/{total} requests done after {:.0} s", t_start.elapsed().as_secs_f64());
+                    }
                     out.push((r.fault, o, t));
                 }
                 out
