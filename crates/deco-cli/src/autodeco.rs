@@ -4,8 +4,8 @@
 //! `OUT/checkpoint-NNNNNN` (one atomic directory each; the last two are kept). `--resume`
 //! continues from the highest-numbered one: the same batches and masks as an uninterrupted run,
 //! the Adam moments restarting from zero (see `deco_autodeco::train::train_from`). At the end
-//! OUT is replaced, in one step, by the final heads (the checkpoints go with the old
-//! directory), then `loss.csv` and `loss.svg` are written into it.
+//! OUT is replaced, in one step, by the final heads and `loss.csv` (the checkpoints go with the
+//! old directory), then `loss.svg` is written into it.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -194,7 +194,7 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     tc.validate()?;
     // Where to start: --resume needs a checkpoint in OUT; a fresh run refuses to mix with one.
     let existing = checkpoints(&a.out)?;
-    let (resume, mut log_so_far): (Option<ResumeFrom>, Vec<LogRow>) = if a.resume {
+    let (resume, log_so_far): (Option<ResumeFrom>, Vec<LogRow>) = if a.resume {
         let Some((step, dir)) = existing.last().cloned() else { bail!("--resume: no checkpoint-NNNNNN directory in {}", a.out.display()) };
         let heads = HostHeads::load(&dir).with_context(|| format!("--resume: loading {}", dir.display()))?;
         let csv = dir.join("loss.csv");
@@ -248,7 +248,7 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     let pb = bar(a.steps as u64, "train");
     let t1 = Instant::now();
     let mut last_held = String::new();
-    let log_cell = std::cell::RefCell::new(std::mem::take(&mut log_so_far));
+    let log_cell = std::cell::RefCell::new(log_so_far);
     let mut progress = |r: &LogRow| {
         if !r.heldout_temp.is_nan() {
             last_held = format!("held-out temp {:.4} top_p {:.4}", r.heldout_temp, r.heldout_top_p);
@@ -273,9 +273,14 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     pb.finish();
     let log = log_cell.into_inner();
     let train_s = t1.elapsed().as_secs_f64();
-    heads.save(&a.out)?;
-    let csv = a.log_csv.clone().unwrap_or_else(|| a.out.join("loss.csv"));
-    write_log_csv(&csv, &log)?;
+    // The heads and (by default) their loss curve replace OUT in one step.
+    match &a.log_csv {
+        None => heads.save_with(&a.out, &[("loss.csv", log_csv(&log).as_bytes())])?,
+        Some(csv) => {
+            heads.save(&a.out)?;
+            write_log_csv(csv, &log)?;
+        }
+    }
     let svg = a.plot.clone().unwrap_or_else(|| a.out.join("loss.svg"));
     let pts = |f: &dyn Fn(&deco_autodeco::train::LogRow) -> f64| log.iter().map(|r| (r.step as f64, f(r))).filter(|p| p.1.is_finite()).collect::<Vec<_>>();
     deco_autodeco::plot::line_chart_svg(

@@ -643,8 +643,8 @@ impl Report {
         vec![
             ("no crash", !self.crashed && !self.panicked, format!("crashed {}, panic in stderr {}", self.crashed, self.panicked)),
             ("every completed response valid", self.failed == 0, format!("{} failed", self.failed)),
-            ("0 KV blocks leaked", self.kv_blocks_used == Some(0) && self.pending == Some(0), format!("kv_blocks_used {:?}, pending {:?}", self.kv_blocks_used, self.pending)),
-            ("0 failed forward passes", self.step_errors == Some(0), format!("{:?}", self.step_errors)),
+            ("0 KV blocks leaked", self.kv_blocks_used == Some(0) && self.pending == Some(0), format!("deco_kv_blocks_used {}, deco_num_requests_pending {}", opt(self.kv_blocks_used), opt(self.pending))),
+            ("0 failed forward passes", self.step_errors == Some(0), format!("deco_engine_step_errors_total {}", opt(self.step_errors))),
             ("peak RSS under the bound", self.rss_peak_mib <= self.rss_bound_mib, format!("{:.0} MiB <= {:.0} MiB", self.rss_peak_mib, self.rss_bound_mib)),
             (
                 "no RSS growth",
@@ -926,6 +926,10 @@ pub fn run(c: &Config) -> Result<Report, String> {
     Ok(rep)
 }
 
+fn opt(v: Option<u64>) -> String {
+    v.map_or_else(|| "unknown".into(), |x| x.to_string())
+}
+
 /// The report as markdown lines (for stdout and docs/reliability.md).
 pub fn render(c: &Config, r: &Report) -> String {
     let mut s = format!(
@@ -934,8 +938,8 @@ pub fn render(c: &Config, r: &Report) -> String {
     );
     s.push_str(&format!(
         "Latency of the well-behaved completed requests: end to end p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms; streams' time to first token p50 {:.0} ms, p99 {:.0} ms. \
-         Server counters after the soak: KV blocks in use {:?}, pending requests {:?}, preemptions {:?}, cancellations {:?}, failed forward passes {:?}.\n\n",
-        r.e2e_ms.0, r.e2e_ms.1, r.e2e_ms.2, r.ttft_ms.0, r.ttft_ms.1, r.kv_blocks_used, r.pending, r.preemptions, r.server_cancelled, r.step_errors
+         Server counters after the soak: KV blocks in use {}, pending requests {}, preemptions {}, cancellations {}, failed forward passes {}.\n\n",
+        r.e2e_ms.0, r.e2e_ms.1, r.e2e_ms.2, r.ttft_ms.0, r.ttft_ms.1, opt(r.kv_blocks_used), opt(r.pending), opt(r.preemptions), opt(r.server_cancelled), opt(r.step_errors)
     ));
     s.push_str(&format!(
         "Resident memory: {:.0} MiB when ready, peak {:.0} MiB (bound: model file + KV cache + 512 MiB = {:.0} MiB); peak of the second fifth of the soak {:.0} MiB, of the last fifth {:.0} MiB. \
