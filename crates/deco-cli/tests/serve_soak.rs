@@ -14,7 +14,8 @@ fn soak_with_faults_then_sigterm_drains() {
         requests: 300,
         clients: 32,
         seed: 7,
-        kv_cache_mib: 64,
+        // 22 blocks of 16 tokens for 32 clients: sequences are preempted (recompute) as they grow.
+        kv_cache_mib: 16,
         drain_streams: 8,
         log: soak::log_path(dir.path()),
     };
@@ -22,8 +23,9 @@ fn soak_with_faults_then_sigterm_drains() {
     let md = soak::render(&c, &rep);
     eprintln!("{md}");
     assert!(rep.passed(), "soak checks failed:\n{md}\nserver log:\n{}", std::fs::read_to_string(&c.log).unwrap_or_default());
-    // The mix really contained every fault kind.
+    // The mix really contained every fault kind, and the preemption path ran.
     assert!(rep.cancelled > 0 && rep.refused_400 > 0 && rep.ok > 100, "{md}");
+    assert!(rep.preemptions.is_some_and(|p| p > 0), "no preemption: {md}");
 }
 
 /// The validators reject what they must: each broken body below differs from a valid one in one
