@@ -315,7 +315,7 @@ enum BenchCmd {
         #[arg(long, default_value_t = 1, requires = "soak")]
         seed: u64,
         /// Soak: the server's `--kv-cache-mib`.
-        #[arg(long, default_value_t = 128, requires = "soak")]
+        #[arg(long, default_value_t = 48, requires = "soak")]
         kv_cache_mib: usize,
     },
 }

@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release -p deco-cli --example serve_soak -- --deco target/release/deco \
 //!     --model SmolLM2-135M-Instruct.Q4_1.gguf [--requests 10000] [--clients 64] [--seed 1] \
-//!     [--kv-cache-mib 128] [--drain-streams 32] [--out report.json] [--log serve.log]
+//!     [--kv-cache-mib 48] [--drain-streams 32] [--out report.json] [--log serve.log]
 //! ```
 //! What it does and checks: `tests/soak/mod.rs`. Prints the report as markdown; exits 1 when a
 //! check fails.
@@ -23,7 +23,7 @@ fn main() {
         requests: 10_000,
         clients: 64,
         seed: 1,
-        kv_cache_mib: 128,
+        kv_cache_mib: 48,
         drain_streams: 32,
         log: std::env::temp_dir().join("deco-serve-soak.log"),
     };
