@@ -370,12 +370,13 @@ pub async fn run_request(addr: SocketAddr, r: &Req) -> (Outcome, Option<Timing>)
     let mut ttft = None;
     let deadline = Duration::from_secs(180);
     loop {
-        if let Fault::Cancel(k) = r.fault {
-            if r.stream && frames >= k {
-                drop(body);
-                drop(conn);
-                return (Outcome::Cancelled, None);
-            }
+        if let Fault::Cancel(k) = r.fault
+            && r.stream
+            && frames >= k
+        {
+            drop(body);
+            drop(conn);
+            return (Outcome::Cancelled, None);
         }
         let next = body.frame();
         let frame = match r.fault {
