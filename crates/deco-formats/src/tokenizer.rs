@@ -625,9 +625,12 @@ impl Tokenizer {
         let dir = dir.as_ref();
         let tok_path = dir.join("tokenizer.json");
         let bytes = std::fs::read(&tok_path).map_err(|e| Error::io(&tok_path, e))?;
-        // Syntax first: `tokenizers` 0.22 panics (`expect("Helper")` in its decoder
-        // deserializer) on a syntax error inside the `decoder` value (found by fuzzing).
-        serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).map_err(|e| Error::Invalid { path: tok_path.clone(), format: "JSON", msg: e.to_string() })?;
+        // JSON first: `tokenizers` 0.22 panics (`expect("Helper")` in its decoder
+        // deserializer) when the `decoder` value is not valid JSON: a syntax error, or a string
+        // escape that is not a Unicode scalar such as a lone surrogate (both found by fuzzing).
+        // Parsing the whole file into a `Value` rejects both (`IgnoredAny` does not check
+        // escapes).
+        serde_json::from_slice::<serde_json::Value>(&bytes).map_err(|e| Error::Invalid { path: tok_path.clone(), format: "JSON", msg: e.to_string() })?;
         let inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| tok_err(format!("{}: {e}", tok_path.display())))?;
 

@@ -300,12 +300,15 @@ fn from_hf_dir_errors_name_the_file() {
     load_gguf(&smollm2_path()).save_hf(&dir).expect("save_hf");
     // Found by the hf_tokenizer fuzz target: a syntax error inside the `decoder` value made
     // the `tokenizers` crate panic (`expect("Helper")`) instead of returning an error.
+    // So did a string escape that is not a Unicode scalar value (a lone surrogate).
     let good = std::fs::read_to_string(dir.join("tokenizer.json")).expect("read");
     let at = good.find("\"decoder\":").expect("a decoder field");
-    let broken = format!("{}\"decoder\": {{\"type\": tru}}, \"x\":{}", &good[..at], &good[at + "\"decoder\":".len()..]);
-    std::fs::write(dir.join("tokenizer.json"), broken).expect("write");
-    let err = Tokenizer::from_hf_dir(&dir).expect_err("syntax error in the decoder");
-    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    for bad_value in ["{\"type\": tru}", "{\"type\": \"\\ud800\"}"] {
+        let broken = format!("{}\"decoder\": {bad_value}, \"x\":{}", &good[..at], &good[at + "\"decoder\":".len()..]);
+        std::fs::write(dir.join("tokenizer.json"), broken).expect("write");
+        let err = Tokenizer::from_hf_dir(&dir).expect_err("invalid decoder value");
+        assert!(err.to_string().contains("tokenizer.json"), "{bad_value}: {err}");
+    }
     load_gguf(&smollm2_path()).save_hf(&dir).expect("save_hf");
     std::fs::write(dir.join("tokenizer_config.json"), "[1, 2").expect("write");
     let err = Tokenizer::from_hf_dir(&dir).expect_err("bad config");
