@@ -164,22 +164,6 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
     pb
 }
 
-/// `OUT/checkpoint-NNNNNN` directories, by step.
-fn checkpoints(out: &std::path::Path) -> Result<Vec<(usize, PathBuf)>> {
-    let mut v = Vec::new();
-    if out.is_dir() {
-        for e in std::fs::read_dir(out).with_context(|| format!("listing {}", out.display()))? {
-            let e = e?;
-            let name = e.file_name().to_string_lossy().into_owned();
-            if let Some(n) = name.strip_prefix("checkpoint-").and_then(|s| s.parse::<usize>().ok()) {
-                v.push((n, e.path()));
-            }
-        }
-    }
-    v.sort();
-    Ok(v)
-}
-
 fn run_train(a: &TrainArgs) -> Result<()> {
     let tc = TrainConfig {
         steps: a.steps,
@@ -193,7 +177,7 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     };
     tc.validate()?;
     // Where to start: --resume needs a checkpoint in OUT; a fresh run refuses to mix with one.
-    let existing = checkpoints(&a.out)?;
+    let existing = crate::runtime::checkpoints(&a.out)?;
     let (resume, log_so_far): (Option<ResumeFrom>, Vec<LogRow>) = if a.resume {
         let Some((step, dir)) = existing.last().cloned() else { bail!("--resume: no checkpoint-NNNNNN directory in {}", a.out.display()) };
         let heads = HostHeads::load(&dir).with_context(|| format!("--resume: loading {}", dir.display()))?;
@@ -262,7 +246,7 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         let csv = log_csv(&log_cell.borrow());
         h.save_with(&out.join(format!("checkpoint-{step:06}")), &[("loss.csv", csv.as_bytes())])?;
         // Keep the last two checkpoints.
-        if let Ok(all) = checkpoints(&out) {
+        if let Ok(all) = crate::runtime::checkpoints(&out) {
             for (_, old) in all.iter().rev().skip(2) {
                 let _ = std::fs::remove_dir_all(old);
             }

@@ -10,7 +10,7 @@
 //! resumed run sees the batches the uninterrupted run would have.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -95,22 +95,6 @@ pub struct DistillArgs {
     out: PathBuf,
 }
 
-/// Checkpoints in `out` as `(step, path)`, ascending.
-fn checkpoints(out: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    let mut v = Vec::new();
-    if out.is_dir() {
-        for e in std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))? {
-            let e = e?;
-            let name = e.file_name().to_string_lossy().to_string();
-            if let Some(n) = name.strip_prefix("checkpoint-").and_then(|s| s.parse::<usize>().ok()) {
-                v.push((n, e.path()));
-            }
-        }
-    }
-    v.sort();
-    Ok(v)
-}
-
 /// Runs the command.
 pub fn run(args: &DistillArgs) -> Result<()> {
     let dc = DistillConfig {
@@ -136,7 +120,7 @@ pub fn run(args: &DistillArgs) -> Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring the CPU thread pool")?;
     }
     // Where to start: a fresh run needs an empty --out; --resume needs a checkpoint there.
-    let existing = checkpoints(&args.out)?;
+    let existing = crate::runtime::checkpoints(&args.out)?;
     let (start_step, student_path) = if args.resume {
         let Some((step, path)) = existing.last().cloned() else {
             bail!("--resume: no checkpoint-NNNNNN directory in {}", args.out.display());
@@ -255,7 +239,7 @@ pub fn run(args: &DistillArgs) -> Result<()> {
         }
         write_dense_dir(&sckpt, &tok, &cfg, &tensor, &dir, ExportDtype::F32)?;
         // Keep the last two checkpoints.
-        if let Ok(all) = checkpoints(&out) {
+        if let Ok(all) = crate::runtime::checkpoints(&out) {
             for (_, old) in all.iter().rev().skip(2) {
                 let _ = std::fs::remove_dir_all(old);
             }

@@ -83,3 +83,23 @@ pub fn data_file(model: &Path, rel: &str, hint: &str) -> Result<PathBuf> {
         .cloned()
         .with_context(|| format!("data file {rel} not found (looked in {c:?}); run `cargo xtask fetch` or pass {hint}"))
 }
+
+/// Training checkpoints `out/checkpoint-NNNNNN` (`deco distill`, `deco autodeco train`) as
+/// `(step, path)`, ascending.
+///
+/// # Errors
+/// An unreadable `out`.
+pub fn checkpoints(out: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let mut v = Vec::new();
+    if out.is_dir() {
+        for e in std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))? {
+            let e = e?;
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(n) = name.strip_prefix("checkpoint-").and_then(|s| s.parse::<usize>().ok()) {
+                v.push((n, e.path()));
+            }
+        }
+    }
+    v.sort();
+    Ok(v)
+}
