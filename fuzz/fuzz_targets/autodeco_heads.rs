@@ -4,31 +4,13 @@
 //! length, that many bytes of the config, then the safetensors file.
 #![no_main]
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
 use deco_autodeco::HostHeads;
 use libfuzzer_sys::fuzz_target;
 
-fn dir() -> &'static PathBuf {
-    static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| {
-        let base = if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-        let d = base.join(format!("deco-fuzz-heads-{}", std::process::id()));
-        std::fs::create_dir_all(&d).expect("fuzz scratch directory");
-        d
-    })
-}
-
 fuzz_target!(|data: &[u8]| {
-    if data.len() < 2 {
-        return;
-    }
-    let n = usize::from(u16::from_le_bytes([data[0], data[1]])).min(data.len() - 2);
-    let (config, st) = data[2..].split_at(n);
-    let d = dir();
-    std::fs::write(d.join("autodeco_config.json"), config).expect("write config");
-    std::fs::write(d.join("autodeco_heads.safetensors"), st).expect("write weights");
+    let Some((config, st)) = deco_fuzz::split_pair(data) else { return };
+    let d = deco_fuzz::scratch_dir("heads");
+    deco_fuzz::write_pair(d, ("autodeco_config.json", config), ("autodeco_heads.safetensors", st));
     let Ok(h) = HostHeads::load(d) else { return };
     let cfg = h.config().clone();
     if cfg.hidden_size > 1 << 16 || cfg.vocab_size > 1 << 17 {

@@ -5,33 +5,15 @@
 //! many bytes of tokenizer_config.json, then tokenizer.json.
 #![no_main]
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
 use deco_formats::tokenizer::Tokenizer;
 use libfuzzer_sys::fuzz_target;
-
-fn dir() -> &'static PathBuf {
-    static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| {
-        let base = if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-        let d = base.join(format!("deco-fuzz-tok-{}", std::process::id()));
-        std::fs::create_dir_all(&d).expect("fuzz scratch directory");
-        d
-    })
-}
 
 const TEXT: &str = "Hello world! <|im_start|>user\n  12345 naïve café 🦊 <s></s> \t\r\n";
 
 fuzz_target!(|data: &[u8]| {
-    if data.len() < 2 {
-        return;
-    }
-    let n = usize::from(u16::from_le_bytes([data[0], data[1]])).min(data.len() - 2);
-    let (config, tok) = data[2..].split_at(n);
-    let d = dir();
-    std::fs::write(d.join("tokenizer_config.json"), config).expect("write config");
-    std::fs::write(d.join("tokenizer.json"), tok).expect("write tokenizer");
+    let Some((config, tok)) = deco_fuzz::split_pair(data) else { return };
+    let d = deco_fuzz::scratch_dir("tok");
+    deco_fuzz::write_pair(d, ("tokenizer_config.json", config), ("tokenizer.json", tok));
     let Ok(t) = Tokenizer::from_hf_dir(d) else { return };
     let vocab = t.vocab_size();
     for special in [true, false] {

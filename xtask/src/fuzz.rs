@@ -199,10 +199,8 @@ fn seed(o: &Options, root: &Path, corpus: &Path) -> Result<()> {
                     if !name.starts_with("model") || !name.ends_with(".safetensors") {
                         continue;
                     }
-                    let mut seed = u16::try_from(config.len()).context("config.json over 64 KiB")?.to_le_bytes().to_vec();
-                    seed.extend_from_slice(&config);
-                    seed.extend_from_slice(&fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?);
-                    fs::write(corpus.join(format!("{model}-{name}")), seed).context("cannot write a seed")?;
+                    let st = fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?;
+                    fs::write(corpus.join(format!("{model}-{name}")), pair_seed(&config, &st)?).context("cannot write a seed")?;
                 }
             }
         }
@@ -222,7 +220,7 @@ fn seed(o: &Options, root: &Path, corpus: &Path) -> Result<()> {
 }
 
 /// A seed of the (u16 length, first file, second file) layout of `hf_dir`, `hf_tokenizer` and
-/// `autodeco_heads`.
+/// `autodeco_heads` (`deco_fuzz::split_pair` reads it).
 fn pair_seed(first: &[u8], second: &[u8]) -> Result<Vec<u8>> {
     let mut seed = u16::try_from(first.len()).context("first file of a seed over 64 KiB")?.to_le_bytes().to_vec();
     seed.extend_from_slice(first);
