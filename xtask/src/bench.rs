@@ -771,7 +771,8 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     Ok(())
 }
 
-fn command_stdout(prog: &str, args: &[&str]) -> String {
+/// Trimmed standard output of `prog args` run in the workspace root; empty when it fails.
+pub fn command_stdout(prog: &str, args: &[&str]) -> String {
     Command::new(prog)
         .args(args)
         .current_dir(util::workspace_root())

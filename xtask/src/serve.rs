@@ -88,8 +88,8 @@ pub fn soak(o: &SoakOptions) -> Result<()> {
     if !matches!(out.status.code(), Some(0 | 1)) {
         bail!("serve_soak could not run ({}); see {}", out.status, work.join("serve.log").display());
     }
-    let date = Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output().ok().map(|x| String::from_utf8_lossy(&x.stdout).trim().to_string()).unwrap_or_default();
-    let commit = Command::new("git").args(["rev-parse", "--short", "HEAD"]).current_dir(util::workspace_root()).output().ok().map(|x| String::from_utf8_lossy(&x.stdout).trim().to_string()).unwrap_or_default();
+    let date = bench::command_stdout("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
+    let commit = bench::command_stdout("git", &["rev-parse", "--short", "HEAD"]);
     let cpu = fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find_map(|l| l.strip_prefix("model name")?.split(':').nth(1).map(|s| s.trim().to_string()))).unwrap_or_default();
     let md = format!(
         "Measured by `cargo xtask bench serve --soak --requests {} --clients {} --seed {} --kv-cache-mib {}` on {date} at commit `{commit}`, {} ({} cores; load average before: {}). \
@@ -274,14 +274,8 @@ fn fmt(x: f64, p: usize) -> String {
 pub fn render(o: &Options, runs: &[Run], loadavg: &str) -> String {
     let rows = median_rows(runs);
     let single = rows.iter().find(|r| r.streams == 1).map_or(f64::NAN, |r| r.tok_s);
-    let date = Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output().ok().map(|x| String::from_utf8_lossy(&x.stdout).trim().to_string()).unwrap_or_default();
-    let commit = Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .current_dir(util::workspace_root())
-        .output()
-        .ok()
-        .map(|x| String::from_utf8_lossy(&x.stdout).trim().to_string())
-        .unwrap_or_default();
+    let date = bench::command_stdout("date", &["-u", "+%Y-%m-%d %H:%M UTC"]);
+    let commit = bench::command_stdout("git", &["rev-parse", "--short", "HEAD"]);
     let mut s = String::new();
     s.push_str(&format!(
         "Measured by `cargo xtask bench serve{}{}` on {date} at commit `{commit}` ({} run{}, medians; load average before: {loadavg}). \

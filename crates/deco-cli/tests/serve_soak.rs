@@ -5,20 +5,26 @@
 
 mod soak;
 
+/// The `deco` binary under test on SmolLM2 with a `kv_cache_mib` pool, its log in `dir`; no
+/// soak or drain requests.
+fn config(dir: &std::path::Path, kv_cache_mib: usize) -> soak::Config {
+    soak::Config {
+        deco: env!("CARGO_BIN_EXE_deco").into(),
+        model: deco_tests::smollm2_gguf(),
+        requests: 0,
+        clients: 0,
+        seed: 0,
+        kv_cache_mib,
+        drain_streams: 0,
+        log: soak::log_path(dir),
+    }
+}
+
 #[test]
 fn soak_with_faults_then_sigterm_drains() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let c = soak::Config {
-        deco: env!("CARGO_BIN_EXE_deco").into(),
-        model: deco_tests::smollm2_gguf(),
-        requests: 300,
-        clients: 32,
-        seed: 7,
-        // 22 blocks of 16 tokens for 32 clients: sequences are preempted (recompute) as they grow.
-        kv_cache_mib: 16,
-        drain_streams: 8,
-        log: soak::log_path(dir.path()),
-    };
+    // 22 blocks of 16 tokens for 32 clients: sequences are preempted (recompute) as they grow.
+    let c = soak::Config { requests: 300, clients: 32, seed: 7, drain_streams: 8, ..config(dir.path(), 16) };
     let rep = soak::run(&c).expect("soak harness");
     let md = soak::render(&c, &rep);
     eprintln!("{md}");
@@ -94,16 +100,7 @@ fn validators_reject_broken_responses() {
 fn oversize_bodies_get_a_413_the_client_can_read() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = tempfile::tempdir().expect("tempdir");
-    let c = soak::Config {
-        deco: env!("CARGO_BIN_EXE_deco").into(),
-        model: deco_tests::smollm2_gguf(),
-        requests: 0,
-        clients: 0,
-        seed: 0,
-        kv_cache_mib: 16,
-        drain_streams: 0,
-        log: soak::log_path(dir.path()),
-    };
+    let c = config(dir.path(), 16);
     let (mut child, addr) = soak::start_server(&c).expect("start deco serve");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let outcomes: Vec<Result<(), String>> = rt.block_on(async {

@@ -325,12 +325,13 @@ struct Submitted {
 fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
     let mut rxs = Vec::with_capacity(prep.prompts.len());
     let mut prompt_tokens = 0;
-    for p in &prep.prompts {
+    let max_new: Vec<usize> = prep.prompts.iter().map(|p| prep.max_new_tokens_for(p.len())).collect();
+    for (prompt, max) in prep.prompts.into_iter().zip(max_new) {
         let mut params = prep.params.clone();
-        params.max_new_tokens = Some(prep.max_new_tokens_for(p.len()));
-        prompt_tokens += p.len();
+        params.max_new_tokens = Some(max);
+        prompt_tokens += prompt.len();
         // Receivers already obtained are dropped on error, which cancels those requests.
-        let (_, rx) = st.engine.submit(GenerateRequest { prompt: p.clone(), params, n: prep.n })?;
+        let (_, rx) = st.engine.submit(GenerateRequest { prompt, params, n: prep.n })?;
         rxs.push(rx);
     }
     Ok(Submitted { rxs, prompt_tokens, n: prep.n })
