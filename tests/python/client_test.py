@@ -10,9 +10,15 @@ Checks, each against an independent value:
 - n, logprobs (greedy token is the top alternative; probabilities sum <= 1), stop strings;
 - a seeded sampled request gives the same text alone and inside a batch of 16 concurrent ones;
 - HTTP 400 with an OpenAI error body for unknown model, bad JSON, out-of-range params, prompt
-  over the context;
-- 200 mixed requests with client-side cancellations leave every KV block free.
-Exits 0 when all pass, 1 on the first failure, 2 when `openai` is not installed.
+  over the context, and for `response_format` / `tools` / `tool_choice` (not implemented: refused,
+  never ignored);
+- usage.prompt_tokens_details.cached_tokens: 0 for a new chat prompt, the prefix cache's full
+  blocks (block size 16, at least one token left to compute) for the same prompt again;
+- 200 mixed requests with client-side cancellations leave every KV block free;
+- /metrics parsed by the official Prometheus client's parser (pip install prometheus_client):
+  vLLM's metric names and types, histograms consistent, vLLM counters equal deco's.
+Exits 0 when all pass, 1 on the first failure, 2 when `openai` or `prometheus_client` is not
+installed.
 """
 
 import argparse
@@ -29,6 +35,13 @@ try:
 except ImportError:
     print("FAIL: the `openai` Python package is not installed; run `pip install \"openai>=1.40\"`", file=sys.stderr)
     sys.exit(2)
+try:
+    from prometheus_client.parser import text_string_to_metric_families
+except ImportError:
+    print("FAIL: the `prometheus_client` Python package is not installed; run `pip install prometheus_client`", file=sys.stderr)
+    sys.exit(2)
+
+BLOCK_SIZE = 16  # the server's KV block size in crates/deco-serve/tests/serve_openai.rs
 
 
 def check(cond, msg):
@@ -41,9 +54,14 @@ def metrics(root):
         out = {}
         for line in r.read().decode().splitlines():
             if line and not line.startswith("#"):
-                k, v = line.split()
+                k, v = line.rsplit(" ", 1)
                 out[k] = float(v)
         return out
+
+
+def metric_families(root):
+    with urllib.request.urlopen(root + "/metrics", timeout=10) as r:
+        return {f.name: f for f in text_string_to_metric_families(r.read().decode())}
 
 
 def raw_post(root, path, body):
@@ -102,6 +120,16 @@ def main():
     check("".join(c.choices[0].delta.content or "" for c in s if c.choices) == want, "streamed chat differs")
     check(s[0].choices[0].delta.role == "assistant", "first chat chunk has no role")
     print("ok chat")
+
+    # 3b. Prefix cache: the first chat request above found nothing cached; the same prompt
+    # again finds its full blocks.
+    details = r.usage.prompt_tokens_details
+    check(details is not None and details.cached_tokens == 0, f"first chat: cached_tokens {details}")
+    again = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0)
+    want_cached = (len(p1["ids"]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    check(again.usage.prompt_tokens_details.cached_tokens == want_cached,
+          f"repeated chat: cached_tokens {again.usage.prompt_tokens_details} != {want_cached}")
+    print(f"ok cached_tokens ({want_cached} of {len(p1['ids'])} prompt tokens on the repeat)")
 
     # 4. n, seed.
     kw = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=1234, n=3)
@@ -163,6 +191,20 @@ def main():
             raise AssertionError(f"{what}: expected HTTP 400")
         except openai.BadRequestError as e:
             check(e.status_code == 400 and isinstance(e.body, dict) and "message" in e.body, f"{what}: body {e.body}")
+    # Fields deco cannot honour yet are refused, never ignored.
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    for kwargs, param in [
+        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(tools=[tool]), "tools"),
+        (dict(tool_choice="required"), "tool_choice"),
+    ]:
+        try:
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=2, **kwargs)
+            raise AssertionError(f"{param}: expected HTTP 400")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and e.body.get("param") == param and "not supported" in e.body["message"], f"{param}: body {e.body}")
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, response_format={"type": "text"}, tools=[], tool_choice="none")
+    check(r.choices[0].finish_reason == "length", "response_format text / empty tools must be accepted")
     status, body = raw_post(root, "/v1/completions", b"{not json")
     check(status == 400 and body["error"]["type"] == "invalid_request_error", f"bad JSON: {status} {body}")
     status, body = raw_post(root, "/v1/chat/completions", b'{"messages": "nope"}')
@@ -213,6 +255,42 @@ def main():
     check(len(results) == n_mixed, f"{len(results)} results")
     print(f"ok {n_mixed} mixed requests with cancellations, all {int(m['deco_kv_blocks_total'])} blocks free "
           f"({int(m['deco_requests_cancelled_total'])} cancelled)")
+
+    # 10. vLLM's metric names, read by Prometheus' own parser (the parser strips `_total` from
+    # counter family names, as prometheus_client does).
+    fams = metric_families(root)
+    want_types = {
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter", "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
+        "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:cache_config_info": "gauge",
+    }
+    for name, kind in want_types.items():
+        check(name in fams and fams[name].type == kind, f"{name}: {fams.get(name) and fams[name].type} != {kind}")
+        for smp in fams[name].samples:
+            check(smp.labels.get("model_name") == model and smp.labels.get("engine") == "0", f"{name} labels {smp.labels}")
+    val = lambda name, suffix="_total", **lab: next(x.value for x in fams[name].samples
+                                                  if x.name == name + suffix and all(x.labels.get(k) == v for k, v in lab.items()))
+    check(val("vllm:generation_tokens") == m["deco_generation_tokens_total"], "vllm vs deco generation tokens")
+    check(val("vllm:request_success", finished_reason="abort") == m["deco_requests_cancelled_total"], "abort count")
+    check(val("vllm:prefix_cache_hits") >= want_cached and val("vllm:prefix_cache_hits") <= val("vllm:prefix_cache_queries"), "prefix cache hits")
+    check(val("vllm:kv_cache_usage_perc", "") == 0.0, "KV usage after the load should be 0")
+    check(val("vllm:num_preemptions") == m["deco_preemptions_total"], "preemptions")
+    info = fams["vllm:cache_config_info"].samples[0].labels
+    check(info["block_size"] == str(BLOCK_SIZE) and info["num_gpu_blocks"] == str(int(m["deco_kv_blocks_total"])), f"cache_config_info {info}")
+    counts = {}
+    for name in ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"]:
+        buckets = sorted(((float(x.labels["le"]), x.value) for x in fams[name].samples if x.name == name + "_bucket"))
+        check(len(buckets) > 10 and buckets[-1][0] == float("inf"), f"{name} buckets {buckets}")
+        check(all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), f"{name} not cumulative")
+        counts[name] = val(name, "_count")
+        check(buckets[-1][1] == counts[name] and counts[name] > 0 and val(name, "_sum") > 0, f"{name}: +Inf {buckets[-1]} count {counts[name]}")
+    check(counts["vllm:time_to_first_token_seconds"] >= counts["vllm:e2e_request_latency_seconds"], "fewer first tokens than finished requests")
+    print(f"ok vLLM metrics ({int(counts['vllm:e2e_request_latency_seconds'])} requests, "
+          f"{int(counts['vllm:time_per_output_token_seconds'])} token intervals, {int(val('vllm:prefix_cache_hits'))} cached prompt tokens)")
     print(f"ALL OK in {time.time() - t0:.1f}s")
 
 

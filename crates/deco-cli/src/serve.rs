@@ -47,15 +47,26 @@ pub struct ServeArgs {
     autodeco: Option<std::path::PathBuf>,
 }
 
-/// Runs the server until ctrl-c / SIGTERM, then drains in-flight requests.
+/// Binds the listener, prints `listening on http://ADDR` and answers 503 (`/health` too) while
+/// the model loads; then serves until ctrl-c / SIGTERM, drains in-flight requests (`/health` 503
+/// meanwhile) and returns.
 pub fn run(args: &ServeArgs) -> Result<()> {
+    anyhow::ensure!(args.block_size > 0, "--block-size must be at least 1");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind((args.host.as_str(), args.port)))
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    let gate = deco_serve::Readiness::loading();
+    let server = rt.spawn(deco_serve::serve_with(listener, gate.clone(), deco_serve::shutdown_signal()));
+    println!("listening on http://{addr}");
+
     let device = crate::runtime::device(&args.model)?;
     let ckpt = deco_formats::checkpoint::Checkpoint::open(&args.model.model)?;
     let tokenizer = Arc::new(crate::runtime::load_tokenizer(&args.model.model)?);
     let model = deco_model::Llama::load(&ckpt, &device, args.max_model_len)
         .with_context(|| format!("loading weights from {}", args.model.model.display()))?;
     let cfg = &model.config;
-    anyhow::ensure!(args.block_size > 0, "--block-size must be at least 1");
     let bytes_per_block = 2 * cfg.num_hidden_layers * args.block_size * cfg.num_key_value_heads * cfg.head_dim * 4;
     let num_blocks = (args.kv_cache_mib * 1024 * 1024 / bytes_per_block).max(1);
     let template = match tokenizer.chat_template() {
@@ -75,23 +86,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let max_context = model.max_context();
     let heads = args.autodeco.as_deref().map(deco_autodeco::HostHeads::load).transpose()?;
     let (engine, join) = deco_serve::spawn_engine_with(model, tokenizer.clone(), config, heads)?;
-    let state = Arc::new(ServerState { engine, tokenizer, template, model_name: model_name.clone() });
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let addr = listener.local_addr()?;
-        eprintln!(
-            "deco serve: model `{model_name}` (context {max_context}), KV cache {num_blocks} blocks x {} tokens ({} MiB)",
-            args.block_size,
-            num_blocks * bytes_per_block / (1024 * 1024)
-        );
-        println!("listening on http://{addr}");
-        deco_serve::serve(listener, state, deco_serve::shutdown_signal()).await?;
-        eprintln!("deco serve: drained, shutting down");
-        anyhow::Ok(())
-    })?;
+    gate.set_ready(Arc::new(ServerState { engine, tokenizer, template, model_name: model_name.clone() }))?;
+    eprintln!(
+        "deco serve: model `{model_name}` (context {max_context}) ready, KV cache {num_blocks} blocks x {} tokens ({} MiB)",
+        args.block_size,
+        num_blocks * bytes_per_block / (1024 * 1024)
+    );
+    rt.block_on(server).context("the server task failed")??;
+    eprintln!("deco serve: drained, shutting down");
+    drop(gate);
     drop(rt);
     let _ = join.join();
     Ok(())

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use deco_decoding::{
     FinishReason, ProcessContext, Sampler, SamplingParams, StopStringMatcher, StoppingCriteria,
@@ -92,6 +92,10 @@ pub enum EngineEvent {
         reason: FinishReason,
         /// Tokens it generated (including a final EOS / stop token).
         completion_tokens: usize,
+        /// Prompt tokens of the request served from the prefix cache when it was first
+        /// scheduled (OpenAI's `usage.prompt_tokens_details.cached_tokens`; the same for every
+        /// choice of the request).
+        cached_prompt_tokens: usize,
     },
     /// The request failed inside the engine; no further events follow.
     Failed(String),
@@ -106,6 +110,89 @@ pub struct GenerateRequest {
     pub params: SamplingParams,
     /// Number of sequences to generate.
     pub n: usize,
+}
+
+/// Bucket bounds (seconds) of `vllm:time_to_first_token_seconds`, as vLLM's
+/// `PrometheusStatLogger` (vllm/v1/metrics/loggers.py).
+pub const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// Bucket bounds (seconds) of `vllm:time_per_output_token_seconds`, as vLLM.
+pub const TPOT_BUCKETS: [f64; 19] = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+/// Bucket bounds (seconds) of `vllm:e2e_request_latency_seconds`, as vLLM.
+pub const E2E_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// A Prometheus histogram with fixed upper bounds, updated without locks: one counter per
+/// bucket (an observation lands in the first bucket whose bound is >= it, or in `+Inf`) and the
+/// sum in nanoseconds.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// `bounds.len() + 1` counters, not cumulative; the last is `+Inf`.
+    counts: Vec<AtomicU64>,
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    /// An empty histogram with these upper bounds (seconds, increasing).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self { bounds, counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(), sum_ns: AtomicU64::new(0) }
+    }
+
+    /// Records one observation (seconds; negative or NaN count as 0).
+    pub fn observe(&self, secs: f64) {
+        let secs = if secs.is_finite() && secs > 0.0 { secs } else { 0.0 };
+        let i = self.bounds.iter().position(|&b| secs <= b).unwrap_or(self.bounds.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
+    }
+
+    /// Number of observations.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Sum of the observations, in seconds.
+    pub fn sum(&self) -> f64 {
+        self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    /// `(upper bound, cumulative count)` per bucket, ending with `(+inf, count)`.
+    pub fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut acc = 0;
+        self.counts
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                acc += c.load(Ordering::Relaxed);
+                (self.bounds.get(i).copied().unwrap_or(f64::INFINITY), acc)
+            })
+            .collect()
+    }
+}
+
+/// The latency histograms of `/metrics` (vLLM's names and buckets).
+#[derive(Debug)]
+pub struct LatencyHistograms {
+    /// Request arrival (submission) to its first generated token.
+    pub time_to_first_token: Histogram,
+    /// Time between consecutive tokens of one sequence (vLLM's per-token
+    /// `time_per_output_token` observations, its inter-token latency).
+    pub time_per_output_token: Histogram,
+    /// Request arrival to its last sequence finishing.
+    pub e2e_request_latency: Histogram,
+}
+
+impl Default for LatencyHistograms {
+    fn default() -> Self {
+        Self {
+            time_to_first_token: Histogram::new(&TTFT_BUCKETS),
+            time_per_output_token: Histogram::new(&TPOT_BUCKETS),
+            e2e_request_latency: Histogram::new(&E2E_BUCKETS),
+        }
+    }
 }
 
 /// Counters and gauges exported at `/metrics`.
@@ -123,14 +210,25 @@ pub struct Metrics {
     pub kv_blocks_free: AtomicUsize,
     /// KV blocks total.
     pub kv_blocks_total: AtomicUsize,
+    /// Tokens per KV block.
+    pub block_size: AtomicUsize,
     /// Tokens generated.
     pub generation_tokens: AtomicU64,
     /// Prompt tokens computed (excluding prefix-cache hits and counting recomputation).
     pub prompt_tokens_computed: AtomicU64,
-    /// Prompt tokens served from the prefix cache.
+    /// Prompt tokens of requests whose prefill finished (the whole prompt, cached part included,
+    /// once per request: vLLM's `prompt_tokens`).
+    pub prompt_tokens: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache at admission (vLLM's `prefix_cache_queries`).
+    pub prefix_cache_queries: AtomicU64,
+    /// Prompt tokens served from the prefix cache at admission (vLLM's `prefix_cache_hits`).
     pub prefix_cache_hit_tokens: AtomicU64,
     /// Requests finished (all their sequences).
     pub requests_finished: AtomicU64,
+    /// Sequences finished with `finish_reason` `stop` (EOS, stop token or stop string).
+    pub finished_stop: AtomicU64,
+    /// Sequences finished with `finish_reason` `length`.
+    pub finished_length: AtomicU64,
     /// Requests cancelled (client gone or aborted).
     pub requests_cancelled: AtomicU64,
     /// Preemptions.
@@ -139,11 +237,33 @@ pub struct Metrics {
     pub steps: AtomicU64,
     /// Errors of forward passes.
     pub step_errors: AtomicU64,
+    /// Latency histograms.
+    pub latency: LatencyHistograms,
+}
+
+/// A Prometheus label value with `\`, `"` and newlines escaped.
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
 impl Metrics {
-    /// Prometheus text exposition of the metrics (names prefixed `deco_`).
-    pub fn render(&self) -> String {
+    /// Prometheus text exposition (format 0.0.4) of the metrics, twice: under deco's own names
+    /// (`deco_...`, no labels) and under vLLM's (`vllm:...`, labels `model_name` and
+    /// `engine="0"`, counters suffixed `_total` as `prometheus_client` writes them), so that
+    /// routers and dashboards built for vLLM read deco unchanged:
+    ///
+    /// | vLLM name | type | deco's value |
+    /// |---|---|---|
+    /// | `vllm:num_requests_running` / `_waiting` | gauge | sequences running / waiting (a choice of `n > 1` is a sequence, as vLLM's child requests) |
+    /// | `vllm:kv_cache_usage_perc` (and the older `vllm:gpu_cache_usage_perc`) | gauge | `1 - free / total` KV blocks, a fraction in [0, 1] as vLLM's |
+    /// | `vllm:prompt_tokens_total` | counter | [`Metrics::prompt_tokens`] |
+    /// | `vllm:generation_tokens_total` | counter | [`Metrics::generation_tokens`] |
+    /// | `vllm:prefix_cache_queries_total` / `_hits_total` | counter | prompt tokens looked up / found at admission |
+    /// | `vllm:num_preemptions_total` | counter | [`Metrics::preemptions`] |
+    /// | `vllm:request_success_total{finished_reason}` | counter | `stop` and `length` per sequence, `abort` per cancelled request |
+    /// | `vllm:time_to_first_token_seconds`, `vllm:time_per_output_token_seconds`, `vllm:e2e_request_latency_seconds` | histogram | [`LatencyHistograms`], vLLM's buckets |
+    /// | `vllm:cache_config_info` | gauge (1) | labels `block_size`, `num_gpu_blocks` (the pool's blocks, host memory on CPU), `cache_dtype`, `enable_prefix_caching` |
+    pub fn render(&self, model_name: &str) -> String {
         let mut out = String::new();
         let mut put = |name: &str, kind: &str, help: &str, v: u64| {
             out.push_str(&format!("# HELP deco_{name} {help}\n# TYPE deco_{name} {kind}\ndeco_{name} {v}\n"));
@@ -164,12 +284,63 @@ impl Metrics {
         put("preemptions_total", "counter", "Sequences preempted (recompute).", c(&self.preemptions));
         put("engine_steps_total", "counter", "Engine steps (forward passes).", c(&self.steps));
         put("engine_step_errors_total", "counter", "Failed forward passes.", c(&self.step_errors));
+
+        let labels = format!("model_name=\"{}\",engine=\"0\"", label_value(model_name));
+        let mut vput = |name: &str, kind: &str, help: &str, series: &[(String, String)]| {
+            out.push_str(&format!("# HELP vllm:{name} {help}\n# TYPE vllm:{name} {kind}\n"));
+            for (suffix_and_labels, v) in series {
+                out.push_str(&format!("vllm:{name}{suffix_and_labels} {v}\n"));
+            }
+        };
+        let one = |v: String| vec![(format!("{{{labels}}}"), v)];
+        let total = g(&self.kv_blocks_total);
+        let usage = if total == 0 { 0.0 } else { 1.0 - g(&self.kv_blocks_free) as f64 / total as f64 };
+        vput("num_requests_running", "gauge", "Number of requests in model execution batches.", &one(g(&self.running).to_string()));
+        vput("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", &one(g(&self.waiting).to_string()));
+        vput("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", &one(usage.to_string()));
+        vput("gpu_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.", &one(usage.to_string()));
+        for (name, help, v) in [
+            ("prompt_tokens", "Number of prefill tokens processed.", c(&self.prompt_tokens)),
+            ("generation_tokens", "Number of generation tokens processed.", c(&self.generation_tokens)),
+            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", c(&self.prefix_cache_queries)),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", c(&self.prefix_cache_hit_tokens)),
+            ("num_preemptions", "Cumulative number of preemption from the engine.", c(&self.preemptions)),
+        ] {
+            vput(&format!("{name}_total"), "counter", help, &one(v.to_string()));
+        }
+        let success: Vec<(String, String)> = [("stop", c(&self.finished_stop)), ("length", c(&self.finished_length)), ("abort", c(&self.requests_cancelled))]
+            .iter()
+            .map(|(reason, v)| (format!("{{{labels},finished_reason=\"{reason}\"}}"), v.to_string()))
+            .collect();
+        vput("request_success_total", "counter", "Count of successfully processed requests.", &success);
+        for (name, help, h) in [
+            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", &self.latency.time_to_first_token),
+            ("time_per_output_token_seconds", "Histogram of time per output token in seconds.", &self.latency.time_per_output_token),
+            ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", &self.latency.e2e_request_latency),
+        ] {
+            let mut series: Vec<(String, String)> = h
+                .cumulative()
+                .into_iter()
+                .map(|(le, n)| {
+                    let le = if le.is_infinite() { "+Inf".to_string() } else { format!("{le:?}") };
+                    (format!("_bucket{{{labels},le=\"{le}\"}}"), n.to_string())
+                })
+                .collect();
+            series.push((format!("_sum{{{labels}}}"), h.sum().to_string()));
+            series.push((format!("_count{{{labels}}}"), h.count().to_string()));
+            vput(name, "histogram", help, &series);
+        }
+        let info = format!(
+            "{{{labels},block_size=\"{}\",num_gpu_blocks=\"{total}\",cache_dtype=\"float32\",enable_prefix_caching=\"True\"}}",
+            g(&self.block_size)
+        );
+        vput("cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", &[(info, "1".to_string())]);
         out
     }
 }
 
 enum Command {
-    Add { id: u64, req: Box<GenerateRequest>, events: UnboundedSender<EngineEvent> },
+    Add { id: u64, req: Box<GenerateRequest>, events: UnboundedSender<EngineEvent>, arrival: Instant },
     Abort(u64),
 }
 
@@ -248,7 +419,7 @@ impl EngineHandle {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (etx, erx) = unbounded_channel();
-        if self.tx.send(Command::Add { id, req: Box::new(req), events: etx }).is_err() {
+        if self.tx.send(Command::Add { id, req: Box::new(req), events: etx, arrival: Instant::now() }).is_err() {
             self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::EngineStopped);
         }
@@ -316,6 +487,8 @@ struct SeqState {
     matcher: StopStringMatcher,
     detok: Detok,
     generated: Vec<u32>,
+    /// When this sequence's last token was sampled.
+    last_token: Option<Instant>,
 }
 
 struct ReqState {
@@ -327,6 +500,12 @@ struct ReqState {
     forked: bool,
     seqs: Vec<SeqId>,
     want_logprobs: Option<usize>,
+    /// When the request was submitted.
+    arrival: Instant,
+    /// Whether a token has been sampled for it yet.
+    first_token_seen: bool,
+    /// Prompt tokens found in the prefix cache when it was first scheduled.
+    cached_tokens: Option<usize>,
 }
 
 struct Engine {
@@ -392,6 +571,7 @@ pub fn spawn_engine_with(
     let metrics = Arc::new(Metrics::default());
     metrics.kv_blocks_total.store(config.num_blocks, Ordering::Relaxed);
     metrics.kv_blocks_free.store(config.num_blocks, Ordering::Relaxed);
+    metrics.block_size.store(config.block_size, Ordering::Relaxed);
     let handle = EngineHandle {
         tx,
         next_id: Arc::new(AtomicU64::new(1)),
@@ -450,13 +630,14 @@ impl Engine {
         m.kv_blocks_used.store(self.cache.pool().num_used(), Ordering::Relaxed);
         m.kv_blocks_free.store(self.cache.pool().num_free(), Ordering::Relaxed);
         m.preemptions.store(self.sched.preemptions(), Ordering::Relaxed);
-        m.prefix_cache_hit_tokens.store(self.cache.prefix_hit_tokens(), Ordering::Relaxed);
+        m.prefix_cache_queries.store(self.sched.prefix_cache_queries(), Ordering::Relaxed);
+        m.prefix_cache_hit_tokens.store(self.sched.prefix_cache_hits(), Ordering::Relaxed);
     }
 
     fn command(&mut self, cmd: Command) {
         match cmd {
             Command::Abort(id) => self.cancel(id),
-            Command::Add { id, req, events } => {
+            Command::Add { id, req, events, arrival } => {
                 let req = *req;
                 let params = req.params;
                 let make = || -> Result<(StoppingCriteria, Sampler, StopStringMatcher)> {
@@ -477,7 +658,7 @@ impl Engine {
                 let sid = self.next_seq;
                 self.next_seq += 1;
                 self.sched.add(sid, req.prompt.clone());
-                self.seqs.insert(sid, SeqState { req: id, index: 0, sampler, matcher, detok: Detok::default(), generated: Vec::new() });
+                self.seqs.insert(sid, SeqState { req: id, index: 0, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None });
                 self.reqs.insert(
                     id,
                     ReqState {
@@ -489,6 +670,9 @@ impl Engine {
                         n: req.n,
                         forked: req.n == 1,
                         seqs: vec![sid],
+                        arrival,
+                        first_token_seen: false,
+                        cached_tokens: None,
                     },
                 );
             }
@@ -524,6 +708,10 @@ impl Engine {
         }
         for c in &plan.chunks {
             self.cache.record_tokens(c.seq, &c.tokens);
+            // A request's first chunk starts after the prompt tokens the prefix cache held.
+            if let Some(r) = self.seqs.get(&c.seq).and_then(|s| self.reqs.get_mut(&s.req)) {
+                r.cached_tokens.get_or_insert(c.start);
+            }
             let prompt_len = self.seqs.get(&c.seq).and_then(|s| self.reqs.get(&s.req)).map_or(0, |r| r.prompt.len());
             let prompt_part = prompt_len.saturating_sub(c.start).min(c.tokens.len());
             self.metrics.prompt_tokens_computed.fetch_add(prompt_part as u64, Ordering::Relaxed);
@@ -581,7 +769,7 @@ impl Engine {
                             let tokens = self.sched.get(c.seq).map(|s| s.tokens.clone()).unwrap_or_default();
                             let num_computed = tokens.len();
                             self.sched.add_running(SchedSeq { id: child, tokens, num_computed });
-                            self.seqs.insert(child, SeqState { req: req_id, index: i, sampler, matcher, detok: Detok::default(), generated: Vec::new() });
+                            self.seqs.insert(child, SeqState { req: req_id, index: i, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None });
                             if let Some(r) = self.reqs.get_mut(&req_id) {
                                 r.seqs.push(child);
                             }
@@ -606,7 +794,7 @@ impl Engine {
 
     fn sample_one(&mut self, sid: SeqId, row: &mut [f32], hidden: Option<&[f32]>) -> Result<()> {
         let Some(s) = self.seqs.get_mut(&sid) else { return Ok(()) };
-        let Some(r) = self.reqs.get(&s.req) else { return Ok(()) };
+        let Some(r) = self.reqs.get_mut(&s.req) else { return Ok(()) };
         let ctx = ProcessContext::new(&r.prompt, &s.generated, &self.eos);
         let out = match (&self.autodeco, hidden) {
             (Some(heads), Some(h)) if !r.params.is_greedy() => {
@@ -619,6 +807,17 @@ impl Engine {
         };
         s.generated.push(out.token);
         self.metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let lat = &self.metrics.latency;
+        if let Some(last) = s.last_token {
+            lat.time_per_output_token.observe(now.duration_since(last).as_secs_f64());
+        }
+        s.last_token = Some(now);
+        if !r.first_token_seen {
+            r.first_token_seen = true;
+            lat.time_to_first_token.observe(now.duration_since(r.arrival).as_secs_f64());
+            self.metrics.prompt_tokens.fetch_add(r.prompt.len() as u64, Ordering::Relaxed);
+        }
         let n_gen = s.generated.len();
         let mut finish = r.stopping.check(out.token, n_gen);
         let mut text = String::new();
@@ -653,15 +852,22 @@ impl Engine {
         let index = s.index;
         let req_id = s.req;
         let events = r.events.clone();
+        let cached_prompt_tokens = r.cached_tokens.unwrap_or(0);
         let _ = events.send(EngineEvent::Delta { index, text, tokens });
         match finish {
             None => self.sched.push_token(sid, out.token),
             Some(reason) => {
-                let _ = events.send(EngineEvent::Finished { index, reason, completion_tokens: n_gen });
+                let _ = events.send(EngineEvent::Finished { index, reason, completion_tokens: n_gen, cached_prompt_tokens });
+                match reason {
+                    FinishReason::Length => &self.metrics.finished_length,
+                    FinishReason::Stop | FinishReason::EosToken => &self.metrics.finished_stop,
+                }
+                .fetch_add(1, Ordering::Relaxed);
                 self.drop_seq(sid);
                 if let Some(r) = self.reqs.get_mut(&req_id) {
                     r.seqs.retain(|&x| x != sid);
                     if r.seqs.is_empty() && r.forked {
+                        self.metrics.latency.e2e_request_latency.observe(r.arrival.elapsed().as_secs_f64());
                         self.reqs.remove(&req_id);
                         self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
                         self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);

@@ -19,8 +19,8 @@ pub mod scheduler;
 pub mod server;
 
 pub use block_pool::{BlockId, BlockPool, PrefixKey};
-pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Metrics, TokenInfo, spawn_engine, spawn_engine_with};
+pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Histogram, LatencyHistograms, Metrics, TokenInfo, spawn_engine, spawn_engine_with};
 pub use error::{Error, Result};
 pub use paged_cache::{CacheShape, PagedKvCache};
 pub use scheduler::{Chunk, SchedSeq, Scheduler, SchedulerConfig, StepPlan};
-pub use server::{ApiError, PreparedRequest, RequestContext, ServerState, prepare_chat, prepare_completion, router, serve, shutdown_signal};
+pub use server::{ApiError, PreparedRequest, Readiness, RequestContext, ServerState, prepare_chat, prepare_completion, router, router_with, serve, serve_with, shutdown_signal};

@@ -82,7 +82,6 @@ pub struct PagedKvCache {
     v: Vec<Vec<f32>>,
     seqs: HashMap<SeqId, PagedSeq>,
     device: Device,
-    prefix_hit_tokens: u64,
 }
 
 fn model_err(e: Error) -> deco_model::Error {
@@ -107,7 +106,6 @@ impl PagedKvCache {
             v: (0..shape.n_layers).map(|_| vec![0.0; per_layer]).collect(),
             seqs: HashMap::new(),
             device: device.clone(),
-            prefix_hit_tokens: 0,
         })
     }
 
@@ -119,11 +117,6 @@ impl PagedKvCache {
     /// The block pool (counts, prefix-cache size).
     pub fn pool(&self) -> &BlockPool {
         &self.pool
-    }
-
-    /// Tokens served from the prefix cache so far.
-    pub fn prefix_hit_tokens(&self) -> u64 {
-        self.prefix_hit_tokens
     }
 
     /// Sequences holding blocks.
@@ -256,7 +249,6 @@ impl PagedKvCache {
             hashes.push(parent);
         }
         let len = table.len() * bs;
-        self.prefix_hit_tokens += len as u64;
         self.seqs.insert(seq, PagedSeq { table, len, tokens: prompt[..len].to_vec(), hashes });
         Ok(len)
     }

@@ -79,6 +79,8 @@ pub struct Scheduler {
     waiting: VecDeque<SchedSeq>,
     running: Vec<SchedSeq>,
     preemptions: u64,
+    prefix_cache_queries: u64,
+    prefix_cache_hits: u64,
 }
 
 impl Scheduler {
@@ -115,6 +117,17 @@ impl Scheduler {
     /// Preemptions so far.
     pub fn preemptions(&self) -> u64 {
         self.preemptions
+    }
+
+    /// Tokens of the sequences admitted so far (a re-admission after preemption counts again):
+    /// what was looked up in the prefix cache.
+    pub fn prefix_cache_queries(&self) -> u64 {
+        self.prefix_cache_queries
+    }
+
+    /// Tokens of those admissions found in the prefix cache (<= [`Self::prefix_cache_queries`]).
+    pub fn prefix_cache_hits(&self) -> u64 {
+        self.prefix_cache_hits
     }
 
     /// True when nothing waits or runs.
@@ -210,6 +223,8 @@ impl Scheduler {
             }
             let Some(mut seq) = self.waiting.pop_front() else { break };
             seq.num_computed = cached;
+            self.prefix_cache_queries += tokens.len() as u64;
+            self.prefix_cache_hits += cached as u64;
             plan.chunks.push(Chunk { seq: id, start: cached, tokens: tokens[cached..cached + n].to_vec(), samples: cached + n == tokens.len() });
             budget -= n;
             self.running.push(seq);

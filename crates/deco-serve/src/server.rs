@@ -6,13 +6,19 @@
 //! | `/v1/completions` | POST | text completion (`prompt` string, list of strings, ids) |
 //! | `/v1/chat/completions` | POST | chat completion through the model's chat template |
 //! | `/v1/models` | GET | the served model |
-//! | `/health` | GET | 200 while serving |
-//! | `/metrics` | GET | Prometheus text ([`crate::engine::Metrics::render`]) |
+//! | `/health` | GET | 200 while serving; 503 while the model is loading and while draining |
+//! | `/metrics` | GET | Prometheus text under deco's and vLLM's names ([`crate::engine::Metrics::render`]) |
 //!
 //! Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400
 //! `invalid_request_error` for malformed JSON, unknown model, out-of-range parameters or a
 //! prompt beyond the context; 413 for a body over [`MAX_BODY_BYTES`]; 429 when too many
-//! requests are pending; 503 while shutting down.
+//! requests are pending; 503 while the model is loading and while shutting down.
+//!
+//! Lifecycle ([`serve_with`] and [`Readiness`]): the listener can be bound before the model is
+//! loaded; until [`Readiness::set_ready`] every route but `/health` answers 503 (`/health` too,
+//! as the readiness probe of a load balancer or Kubernetes). On the shutdown signal the server
+//! drains: new generation requests get 503, `/health` 503, the requests already accepted run to
+//! the end, and only when none is left does it stop accepting connections and return.
 //!
 //! An oversize body is still read and dropped (up to [`DRAIN_BODY_BYTES`], for at most
 //! [`DRAIN_BODY_TIME`]) before the 413 is sent, as nginx's lingering close does: a server that
@@ -24,7 +30,8 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -56,6 +63,65 @@ pub struct ServerState {
     pub template: Option<ChatTemplate>,
     /// Name under which the model is served (`model` field).
     pub model_name: String,
+}
+
+/// What the routes serve: nothing while the model is loading, then the [`ServerState`]; and
+/// whether the server is draining. See the [module docs](self).
+#[derive(Debug, Default)]
+pub struct Readiness {
+    state: OnceLock<Arc<ServerState>>,
+    draining: AtomicBool,
+}
+
+impl Readiness {
+    /// A server whose model is still loading (every route answers 503).
+    pub fn loading() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// A server ready to serve `state`.
+    pub fn ready(state: Arc<ServerState>) -> Arc<Self> {
+        let r = Self::default();
+        let _ = r.state.set(state);
+        Arc::new(r)
+    }
+
+    /// The model is loaded: from now on the routes serve `state`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] if a state was set before.
+    pub fn set_ready(&self, state: Arc<ServerState>) -> Result<()> {
+        self.state.set(state).map_err(|_| Error::InvalidRequest("the server is already serving a model".into()))
+    }
+
+    /// Starts draining: `/health` answers 503 and the engine refuses new requests (503); the
+    /// accepted ones run on.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        if let Some(st) = self.state.get() {
+            st.engine.stop_accepting();
+        }
+    }
+
+    /// Loaded and not draining: what `/health` reports.
+    pub fn is_ready(&self) -> bool {
+        self.state.get().is_some() && !self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Requests accepted by the engine and not finished (0 while loading).
+    pub fn pending_requests(&self) -> usize {
+        self.state.get().map_or(0, |st| st.engine.metrics.pending_requests.load(Ordering::SeqCst))
+    }
+
+    fn state(&self) -> ApiResult<Arc<ServerState>> {
+        self.state.get().cloned().ok_or_else(|| ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the model is still loading; retry when /health answers 200".into(),
+            kind: "server_error",
+            param: None,
+            code: Some("model_loading"),
+        })
+    }
 }
 
 /// An error response in OpenAI's format.
@@ -146,28 +212,49 @@ async fn read_body(body: Body) -> ApiResult<Bytes> {
     Ok(Bytes::from(buf))
 }
 
-/// The router with every route.
+/// The router with every route, serving `state`.
 pub fn router(state: Arc<ServerState>) -> Router {
+    router_with(Readiness::ready(state))
+}
+
+/// The router with every route, serving what `gate` holds (see [`Readiness`]).
+pub fn router_with(gate: Arc<Readiness>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
-        .with_state(state)
+        .with_state(gate)
 }
 
-/// Serves on `listener` until `shutdown` resolves, then stops accepting requests, lets
-/// in-flight ones finish (drain) and returns.
+/// Serves `state` on `listener` until `shutdown` resolves, then drains (see [`serve_with`]).
 ///
 /// # Errors
 /// [`Error::Io`] from the socket.
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<ServerState>, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
-    let engine = state.engine.clone();
-    axum::serve(listener, router(state))
+    serve_with(listener, Readiness::ready(state), shutdown).await
+}
+
+/// How often a draining server checks whether its accepted requests have finished.
+const DRAIN_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Serves what `gate` holds on `listener` (503 until it is ready) until `shutdown` resolves;
+/// then drains: [`Readiness::begin_drain`], keeps answering (`/health` 503, new requests 503)
+/// until every accepted request has finished, then stops accepting connections, lets the open
+/// responses end and returns.
+///
+/// # Errors
+/// [`Error::Io`] from the socket.
+pub async fn serve_with(listener: tokio::net::TcpListener, gate: Arc<Readiness>, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    let g = gate.clone();
+    axum::serve(listener, router_with(gate))
         .with_graceful_shutdown(async move {
             shutdown.await;
-            engine.stop_accepting();
+            g.begin_drain();
+            while g.pending_requests() > 0 {
+                tokio::time::sleep(DRAIN_POLL).await;
+            }
         })
         .await?;
     Ok(())
@@ -195,16 +282,18 @@ pub async fn shutdown_signal() {
     }
 }
 
-async fn health() -> StatusCode {
-    StatusCode::OK
+async fn health(State(gate): State<Arc<Readiness>>) -> StatusCode {
+    if gate.is_ready() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }
 }
 
-async fn metrics(State(st): State<Arc<ServerState>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.engine.metrics.render()).into_response()
+async fn metrics(State(gate): State<Arc<Readiness>>) -> ApiResult<Response> {
+    let st = gate.state()?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.engine.metrics.render(&st.model_name)).into_response())
 }
 
-async fn models(State(st): State<Arc<ServerState>>) -> Json<Value> {
-    Json(json!({
+async fn models(State(gate): State<Arc<Readiness>>) -> ApiResult<Json<Value>> {
+    let st = gate.state()?;
+    Ok(Json(json!({
         "object": "list",
         "data": [{
             "id": st.model_name,
@@ -213,7 +302,7 @@ async fn models(State(st): State<Arc<ServerState>>) -> Json<Value> {
             "owned_by": "deco",
             "max_model_len": st.engine.max_context(),
         }]
-    }))
+    })))
 }
 
 fn now() -> u64 {
@@ -296,6 +385,30 @@ fn parse_body(body: &[u8]) -> ApiResult<Value> {
     Ok(v)
 }
 
+/// Refuses the OpenAI fields deco cannot honour yet instead of ignoring them: a
+/// `response_format` other than `{"type": "text"}`, a non-empty `tools` list, a `tool_choice`
+/// other than `"none"` (structured output and tool calls are not implemented).
+fn refuse_unsupported(v: &Value) -> ApiResult<()> {
+    match v.get("response_format") {
+        None | Some(Value::Null) => {}
+        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(f) => {
+            return Err(ApiError::bad(format!("response_format {f} is not supported: this server has no structured output yet (only {{\"type\": \"text\"}})")).param("response_format"));
+        }
+    }
+    match v.get("tools") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => return Err(ApiError::bad("tools are not supported: this server has no tool calling yet").param("tools")),
+    }
+    match v.get("tool_choice") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(c)) if c == "none" => {}
+        Some(c) => return Err(ApiError::bad(format!("tool_choice {c} is not supported: this server has no tool calling yet")).param("tool_choice")),
+    }
+    Ok(())
+}
+
 fn check_model(st: &RequestContext<'_>, model: Option<&str>) -> ApiResult<()> {
     match model {
         Some(m) if m != st.model_name => Err(ApiError {
@@ -320,6 +433,15 @@ struct Submitted {
     rxs: Vec<UnboundedReceiver<EngineEvent>>,
     prompt_tokens: usize,
     n: usize,
+}
+
+/// Token counts of a finished response.
+#[derive(Debug, Clone, Copy, Default)]
+struct Usage {
+    prompt: usize,
+    completion: usize,
+    /// Prompt tokens served from the prefix cache (summed over the prompts).
+    cached: usize,
 }
 
 fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
@@ -375,9 +497,11 @@ fn chat_logprobs(tok: &Tokenizer, tokens: &[TokenInfo]) -> Value {
     json!({"content": content})
 }
 
-async fn collect(sub: Submitted) -> ApiResult<(Vec<ChoiceAcc>, usize)> {
+async fn collect(sub: Submitted) -> ApiResult<(Vec<ChoiceAcc>, Usage)> {
     let n = sub.n;
+    let prompt = sub.prompt_tokens;
     let mut accs = vec![ChoiceAcc::default(); n * sub.rxs.len()];
+    let mut cached = vec![0; sub.rxs.len()];
     for (pi, mut rx) in sub.rxs.into_iter().enumerate() {
         while let Some(ev) = rx.recv().await {
             match ev {
@@ -386,10 +510,11 @@ async fn collect(sub: Submitted) -> ApiResult<(Vec<ChoiceAcc>, usize)> {
                     a.text.push_str(&text);
                     a.tokens.extend(tokens);
                 }
-                EngineEvent::Finished { index, reason, completion_tokens } => {
+                EngineEvent::Finished { index, reason, completion_tokens, cached_prompt_tokens } => {
                     let a = &mut accs[pi * n + index];
                     a.finish = Some(reason);
                     a.completion_tokens = completion_tokens;
+                    cached[pi] = cached_prompt_tokens;
                 }
                 EngineEvent::Failed(msg) => {
                     return Err(ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: msg, kind: "server_error", param: None, code: None });
@@ -401,11 +526,15 @@ async fn collect(sub: Submitted) -> ApiResult<(Vec<ChoiceAcc>, usize)> {
         return Err(Error::EngineStopped.into());
     }
     let completion = accs.iter().map(|a| a.completion_tokens).sum();
-    Ok((accs, completion))
+    Ok((accs, Usage { prompt, completion, cached: cached.iter().sum() }))
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's `usage` object, with `prompt_tokens_details.cached_tokens` (prefix-cache hits).
+fn usage(u: Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
+        "prompt_tokens_details": {"cached_tokens": u.cached},
+    })
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -451,9 +580,10 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
         chunk: C,
         queue: std::collections::VecDeque<Event>,
         completion: HashMap<usize, usize>,
+        cached: HashMap<usize, usize>,
         done: bool,
     }
-    let state = S { merged, chunk, queue: first.into(), completion: HashMap::new(), done: false };
+    let state = S { merged, chunk, queue: first.into(), completion: HashMap::new(), cached: HashMap::new(), done: false };
     let tok = st.tokenizer.clone();
     let body = stream::unfold(state, move |mut s| {
         let tok = tok.clone();
@@ -479,9 +609,10 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
                         };
                         s.queue.push_back((s.chunk)(json!([choice]), None));
                     }
-                    Some((pi, EngineEvent::Finished { index, reason, completion_tokens })) => {
+                    Some((pi, EngineEvent::Finished { index, reason, completion_tokens, cached_prompt_tokens })) => {
                         let idx = pi * n + index;
                         s.completion.insert(idx, completion_tokens);
+                        s.cached.insert(pi, cached_prompt_tokens);
                         let choice = match kind {
                             Kind::Chat => json!({"index": idx, "delta": {}, "logprobs": null, "finish_reason": reason.as_openai_str()}),
                             Kind::Completion => json!({"index": idx, "text": "", "logprobs": null, "finish_reason": reason.as_openai_str()}),
@@ -494,8 +625,8 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
                     }
                     None => {
                         if include_usage {
-                            let completion: usize = s.completion.values().sum();
-                            s.queue.push_back((s.chunk)(json!([]), Some(usage(prompt_tokens, completion))));
+                            let u = Usage { prompt: prompt_tokens, completion: s.completion.values().sum(), cached: s.cached.values().sum() };
+                            s.queue.push_back((s.chunk)(json!([]), Some(usage(u))));
                         }
                         s.queue.push_back(Event::default().data("[DONE]"));
                         s.done = true;
@@ -513,11 +644,13 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
 /// # Errors
 /// A 400 [`ApiError`] naming the problem: not JSON or not an object, a field of the wrong type,
 /// another model, an unsupported field (`echo`, `suffix`, `best_of != n`), `max_tokens` 0, an
-/// invalid sampling parameter, an empty prompt, token ids beyond the vocabulary.
+/// invalid sampling parameter, an empty prompt, token ids beyond the vocabulary, a
+/// `response_format` / `tools` / `tool_choice` deco cannot honour (see `refuse_unsupported`).
 pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result<PreparedRequest, ApiError> {
     let v = parse_body(body)?;
     let req: CompletionRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid completion request: {e}")))?;
     check_model(st, req.model.as_deref())?;
+    refuse_unsupported(&v)?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
     if req.echo == Some(true) {
         return Err(ApiError::bad("echo is not supported").param("echo"));
@@ -563,8 +696,11 @@ pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::
     })
 }
 
-async fn completions(State(st): State<Arc<ServerState>>, body: Body) -> ApiResult<Response> {
+async fn completions(State(gate): State<Arc<Readiness>>, body: Body) -> ApiResult<Response> {
+    // The body is read first: answering before it is read would make the kernel reset the
+    // connection of a client still sending (see the module docs).
     let body = read_body(body).await?;
+    let st = gate.state()?;
     let prep = prepare_completion(&st.request_context(), &body)?;
     let (stream, include_usage, want_logprobs) = (prep.stream, prep.include_usage, prep.want_logprobs);
     let sub = submit_all(&st, prep)?;
@@ -572,8 +708,7 @@ async fn completions(State(st): State<Arc<ServerState>>, body: Body) -> ApiResul
     if stream {
         return Ok(sse_stream(st.clone(), sub, Kind::Completion, id, include_usage, want_logprobs).into_response());
     }
-    let prompt_tokens = sub.prompt_tokens;
-    let (accs, completion) = collect(sub).await?;
+    let (accs, counts) = collect(sub).await?;
     let choices: Vec<Value> = accs
         .iter()
         .enumerate()
@@ -588,7 +723,7 @@ async fn completions(State(st): State<Arc<ServerState>>, body: Body) -> ApiResul
         .collect();
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": now(), "model": st.model_name,
-        "choices": choices, "usage": usage(prompt_tokens, completion),
+        "choices": choices, "usage": usage(counts),
     }))
     .into_response())
 }
@@ -606,11 +741,13 @@ fn uniq() -> String {
 /// A 400 [`ApiError`] naming the problem: not JSON or not an object, a field of the wrong type,
 /// another model, no chat template, no messages, a non-text content part, `max_tokens` 0,
 /// `top_logprobs` without `logprobs`, an invalid sampling parameter, a template that fails to
-/// render (or exceeds its render budget).
+/// render (or exceeds its render budget), a `response_format` / `tools` / `tool_choice` deco
+/// cannot honour.
 pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result<PreparedRequest, ApiError> {
     let v = parse_body(body)?;
     let req: ChatRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid chat request: {e}")))?;
     check_model(st, req.model.as_deref())?;
+    refuse_unsupported(&v)?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
     let Some(template) = st.template else {
         return Err(ApiError::bad("this model has no chat template; use /v1/completions"));
@@ -664,8 +801,11 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
     })
 }
 
-async fn chat_completions(State(st): State<Arc<ServerState>>, body: Body) -> ApiResult<Response> {
+async fn chat_completions(State(gate): State<Arc<Readiness>>, body: Body) -> ApiResult<Response> {
+    // The body is read first: answering before it is read would make the kernel reset the
+    // connection of a client still sending (see the module docs).
     let body = read_body(body).await?;
+    let st = gate.state()?;
     let prep = prepare_chat(&st.request_context(), &body)?;
     let (stream, include_usage, want_logprobs) = (prep.stream, prep.include_usage, prep.want_logprobs);
     let sub = submit_all(&st, prep)?;
@@ -673,8 +813,7 @@ async fn chat_completions(State(st): State<Arc<ServerState>>, body: Body) -> Api
     if stream {
         return Ok(sse_stream(st.clone(), sub, Kind::Chat, id, include_usage, want_logprobs).into_response());
     }
-    let prompt_tokens = sub.prompt_tokens;
-    let (accs, completion) = collect(sub).await?;
+    let (accs, counts) = collect(sub).await?;
     let choices: Vec<Value> = accs
         .iter()
         .enumerate()
@@ -689,7 +828,7 @@ async fn chat_completions(State(st): State<Arc<ServerState>>, body: Body) -> Api
         .collect();
     Ok(Json(json!({
         "id": id, "object": "chat.completion", "created": now(), "model": st.model_name,
-        "choices": choices, "usage": usage(prompt_tokens, completion),
+        "choices": choices, "usage": usage(counts),
     }))
     .into_response())
 }

@@ -2,7 +2,7 @@
 //!
 //! Starts the server in this process on a free loopback port (the same `deco_serve::serve` that
 //! `deco serve` runs), then runs `python3 tests/python/client_test.py` against it and asserts
-//! its exit status. Needs `python3` with `pip install "openai>=1.40"`; without it the test fails
+//! its exit status. Needs `python3` with `pip install "openai>=1.40" prometheus_client`; without them the test fails
 //! and says so. The script bounds itself (every request has a small `max_tokens`, the client has
 //! timeouts); this test kills it after 5 minutes.
 
@@ -71,7 +71,7 @@ fn openai_python_client_against_server() {
     join.join().expect("engine thread");
     match status.code() {
         Some(0) => {}
-        Some(2) => panic!("the `openai` Python package is missing: pip install \"openai>=1.40\""),
+        Some(2) => panic!("a Python package is missing: pip install \"openai>=1.40\" prometheus_client"),
         other => panic!("tests/python/client_test.py failed (exit {other:?}); see its output above"),
     }
     assert_eq!(metrics.kv_blocks_used.load(std::sync::atomic::Ordering::Relaxed), 0, "KV blocks leaked");

@@ -27,8 +27,8 @@
 //!    10 % (the first fifth is the warm-up: the KV pool's pages and the allocator's arenas are
 //!    touched for the first time).
 //! 4. **Drain**: 32 long streams are started; once each has produced a token the server gets
-//!    SIGTERM. Each stream must still finish complete (48 tokens, `length`), a new connection
-//!    must be refused (or get 503), and the process must exit with status 0.
+//!    SIGTERM. Each stream must still finish complete (48 tokens, `length`); meanwhile `/health`
+//!    and a new completion request must get 503; and the process must exit with status 0.
 //!
 //! The server must never crash (exit before SIGTERM) and its stderr must not contain a panic.
 
@@ -626,7 +626,7 @@ pub struct Report {
     pub drain_ok: usize,
     /// Drain streams.
     pub drain_total: usize,
-    /// Outcome of a new connection after SIGTERM.
+    /// Answers to `/health` and to a new completion request while draining after SIGTERM.
     pub after_sigterm: String,
     /// Exit status of the server after SIGTERM.
     pub exit: String,
@@ -653,7 +653,7 @@ impl Report {
                 format!("last fifth {:.0} MiB <= 1.10 x second fifth {:.0} MiB", self.rss_second_last_mib.1, self.rss_second_last_mib.0),
             ),
             ("drain completes in-flight streams", self.drain_ok == self.drain_total && self.drain_total > 0, format!("{}/{}", self.drain_ok, self.drain_total)),
-            ("new connection refused after SIGTERM", self.after_sigterm.starts_with("refused"), self.after_sigterm.clone()),
+            ("503 while draining", self.after_sigterm == "/health 503, new completion 503", self.after_sigterm.clone()),
             ("exit 0 after SIGTERM", self.exit == "0", format!("exit {} after {:.1} s", self.exit, self.drain_s)),
         ]
     }
@@ -715,7 +715,34 @@ pub fn start_server(c: &Config) -> Result<(Child, SocketAddr), String> {
     let addr: SocketAddr = addr.trim().parse().map_err(|e| format!("address {addr}: {e}"))?;
     // Keep draining stdout so the child never blocks on it.
     std::thread::spawn(move || for _ in lines {});
+    // The listener is bound before the model is loaded: /health answers 503 until it is.
+    let start = Instant::now();
+    loop {
+        match health_status(addr) {
+            Ok(200) => break,
+            Ok(503) | Err(_) if start.elapsed() < Duration::from_secs(120) => std::thread::sleep(Duration::from_millis(50)),
+            other => {
+                let _ = child.kill();
+                return Err(format!("deco serve did not become ready: /health gave {other:?}"));
+            }
+        }
+    }
     Ok((child, addr))
+}
+
+/// The status code of `GET /health` (blocking, one connection).
+///
+/// # Errors
+/// When the connection or the read fails, or the answer is not HTTP.
+pub fn health_status(addr: SocketAddr) -> Result<u16, String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: deco\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).map_err(|e| e.to_string())?;
+    let line = String::from_utf8_lossy(&head);
+    line.strip_prefix("HTTP/1.1 ").and_then(|c| c.get(..3)).and_then(|c| c.parse().ok()).ok_or_else(|| format!("not an HTTP answer: {line:?}"))
 }
 
 /// Runs the whole soak (see the module docs) and returns its report.
@@ -873,12 +900,16 @@ pub fn run(c: &Config) -> Result<Report, String> {
             return Err("kill -TERM failed".into());
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
-        rep.after_sigterm = match tokio::time::timeout(Duration::from_secs(10), send(addr, "/health", "GET", vec![])).await {
-            Err(_) => "accepted but no answer in 10 s".into(),
+        // While the streams drain, the server still answers: /health and new requests 503.
+        let status = |r: Result<Result<(Conn, hyper::Response<hyper::body::Incoming>), String>, tokio::time::error::Elapsed>| match r {
+            Err(_) => "no answer in 10 s".to_string(),
             Ok(Err(e)) => format!("refused ({e})"),
-            Ok(Ok((_c, resp))) if resp.status() == 503 => "refused (503)".into(),
-            Ok(Ok((_c, resp))) => format!("answered {}", resp.status()),
+            Ok(Ok((_c, resp))) => resp.status().as_u16().to_string(),
         };
+        let health = status(tokio::time::timeout(Duration::from_secs(10), send(addr, "/health", "GET", vec![])).await);
+        let body = serde_json::to_vec(&serde_json::json!({"prompt": "Hello", "max_tokens": 4})).map_err(|e| e.to_string())?;
+        let completion = status(tokio::time::timeout(Duration::from_secs(10), send(addr, "/v1/completions", "POST", body)).await);
+        rep.after_sigterm = format!("/health {health}, new completion {completion}");
         for d in drains {
             match d.await.map_err(|e| e.to_string())? {
                 Ok(()) => rep.drain_ok += 1,
@@ -944,7 +975,7 @@ pub fn render(c: &Config, r: &Report) -> String {
     ));
     s.push_str(&format!(
         "Resident memory: {:.0} MiB when ready, peak {:.0} MiB (bound: model file + KV cache + 512 MiB = {:.0} MiB); peak of the second fifth of the soak {:.0} MiB, of the last fifth {:.0} MiB. \
-         SIGTERM with {} streams in flight: {} finished complete, a new connection was {}, exit status {} after {:.1} s.\n\n",
+         SIGTERM with {} streams in flight: {} finished complete, while draining {}, exit status {} after {:.1} s.\n\n",
         r.rss_ready_mib, r.rss_peak_mib, r.rss_bound_mib, r.rss_second_last_mib.0, r.rss_second_last_mib.1, r.drain_total, r.drain_ok, r.after_sigterm, r.exit, r.drain_s
     ));
     s.push_str("| check | result | measured |\n|---|---|---|\n");
