@@ -1,6 +1,7 @@
 //! `cargo xtask fuzz TARGET --time S`: builds the libFuzzer targets of `fuzz/` with the nightly
-//! toolchain (the instrumentation flags cargo-fuzz uses: sancov inline 8-bit counters, PC table,
-//! compare tracing, AddressSanitizer, debug assertions and overflow checks), seeds the corpus
+//! toolchain (the instrumentation cargo-fuzz uses: sancov inline 8-bit counters, PC table and
+//! compare tracing, set per package in `fuzz/Cargo.toml`; AddressSanitizer, debug assertions
+//! and overflow checks for every crate), seeds the corpus
 //! from the real files, runs one target for S seconds and reports executions and findings.
 //!
 //! Layout under the cache: `fuzz/target` (build), `fuzz/corpus/TARGET` (grows across runs),
@@ -75,10 +76,10 @@ pub struct Options {
     pub time: u64,
 }
 
-const RUSTFLAGS: &str = "-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
--Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
--Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions -Coverflow-checks \
--Zsanitizer=address";
+/// Flags for every crate: AddressSanitizer, debug assertions, overflow checks. The coverage
+/// instrumentation (sancov inline 8-bit counters, PC table, compare tracing, as cargo-fuzz sets
+/// it) is in `fuzz/Cargo.toml`'s release profile, per package.
+const RUSTFLAGS: &str = "--cfg fuzzing -Cdebug-assertions -Coverflow-checks -Zsanitizer=address";
 const TRIPLE: &str = "x86_64-unknown-linux-gnu";
 
 /// Builds, seeds and runs one target; fails when libFuzzer reports a finding.
