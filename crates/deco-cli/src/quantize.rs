@@ -82,14 +82,18 @@ pub struct QuantizeArgs {
     /// Bits per weight (2, 3, 4, 8).
     #[arg(long, default_value_t = 4)]
     bits: u32,
-    /// Input columns per group; -1 for one group per output channel. A size that does not divide
-    /// a layer's input gets AutoGPTQ's ragged last group (RTN only).
-    #[arg(long, default_value_t = 128, allow_hyphen_values = true)]
-    group_size: i64,
-    /// Symmetric quantization (the default, as AutoGPTQ's).
+    /// Input columns per group; -1 for one group per output channel. Default: 128 (AutoGPTQ's);
+    /// for `--format gptq|awq|compressed-tensors` the largest of 128, 64, 32 that divides every
+    /// linear's input (their loaders need whole groups: vLLM's GPTQ/Marlin kernels and
+    /// gptqmodel refuse a ragged last group, so those formats refuse a size that does not
+    /// divide). `--format fake` accepts any size (AutoGPTQ's ragged last group).
+    #[arg(long, allow_hyphen_values = true)]
+    group_size: Option<i64>,
+    /// Symmetric quantization (the default, as AutoGPTQ's, except for `--format awq`).
     #[arg(long, conflicts_with = "asym")]
     sym: bool,
-    /// Asymmetric quantization (per-group zero point).
+    /// Asymmetric quantization (per-group zero point; the default for `--format awq`, whose GEMM
+    /// layout stores zero points, as AutoAWQ's `zero_point=True`).
     #[arg(long)]
     asym: bool,
     /// GPTQ act-order: quantize columns by decreasing Hessian diagonal (writes a permuted g_idx).
@@ -159,11 +163,47 @@ fn progress(layers: usize, what: &str) -> ProgressBar {
     pb
 }
 
+/// Group sizes the packed formats' loaders accept besides -1 (vLLM's Marlin kernels: 32, 64,
+/// 128), largest first: the default picks the first that divides every linear's input.
+const LOADER_GROUP_SIZES: [usize; 3] = [128, 64, 32];
+
+/// The input widths of the decoder's linears (q/k/v/gate/up take `hidden_size`, o_proj the
+/// attention width, down_proj `intermediate_size`).
+fn input_dims(cfg: &deco_formats::config::ModelConfig) -> [usize; 3] {
+    [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim]
+}
+
+fn is_packed(f: FormatArg) -> bool {
+    matches!(f, FormatArg::Gptq | FormatArg::Awq | FormatArg::CompressedTensors)
+}
+
+/// The group size used: `--group-size`, else 128, or for the packed formats the largest of
+/// [`LOADER_GROUP_SIZES`] dividing every input width (-1 if none does).
+fn group_size(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> i64 {
+    match args.group_size {
+        Some(g) => g,
+        None if is_packed(args.format) => {
+            LOADER_GROUP_SIZES.iter().find(|&&g| input_dims(cfg).iter().all(|d| d % g == 0)).map_or(-1, |&g| g as i64)
+        }
+        None => 128,
+    }
+}
+
+/// Symmetric or not: `--sym` / `--asym`, else symmetric except for `--format awq`.
+fn is_sym(args: &QuantizeArgs) -> bool {
+    if args.asym {
+        false
+    } else {
+        args.sym || args.format != FormatArg::Awq
+    }
+}
+
 /// Checks the method / format / bits combination before any work is done.
 fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Result<()> {
     ensure!(matches!(args.bits, 2 | 3 | 4 | 8), "--bits {} is not one of 2, 3, 4, 8", args.bits);
-    ensure!(args.group_size == -1 || args.group_size > 0, "--group-size must be positive or -1, got {}", args.group_size);
-    let sym = !args.asym;
+    let gsz = group_size(args, cfg);
+    ensure!(gsz == -1 || gsz > 0, "--group-size must be positive or -1, got {gsz}");
+    let sym = is_sym(args);
     ensure!((0.0..=1.0).contains(&args.alpha), "--alpha {} is outside [0, 1]", args.alpha);
     ensure!(args.threshold > 0.0 && args.threshold.is_finite(), "--threshold must be positive, got {}", args.threshold);
     let act = matches!(args.method, MethodArg::Smoothquant | MethodArg::Int8);
@@ -200,10 +240,14 @@ fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Res
                 args.method != MethodArg::Nf4,
                 "NF4 has no integer codes with zero points; use --format fake for NF4"
             );
-            if args.group_size > 0 && packed != FormatArg::Gptq {
-                let g = args.group_size as usize;
-                for d in [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim] {
-                    ensure!(d % g == 0, "--format {packed:?} needs --group-size to divide every input dimension; {g} does not divide {d} (GPTQ's format allows a ragged last group)");
+            if gsz > 0 {
+                let g = gsz as usize;
+                if let Some(d) = input_dims(cfg).into_iter().find(|d| d % g != 0) {
+                    let valid: Vec<String> = LOADER_GROUP_SIZES.iter().filter(|&&v| input_dims(cfg).iter().all(|d| d % v == 0)).map(|v| v.to_string()).chain(["-1".to_string()]).collect();
+                    bail!(
+                        "--group-size {g} does not divide the input width {d} of this model's linears: --format {packed:?} loaders (vLLM's GPTQ/Marlin kernels, gptqmodel, AutoAWQ) need whole groups; valid here: {} (or --format fake, which allows a ragged last group)",
+                        valid.join(", ")
+                    );
                 }
             }
             match packed {
@@ -213,13 +257,13 @@ fn validate(args: &QuantizeArgs, cfg: &deco_formats::config::ModelConfig) -> Res
                 FormatArg::Awq => {
                     ensure!(args.bits == 4, "AWQ GEMM stores 4-bit codes only (got --bits {})", args.bits);
                     ensure!(!args.desc_act, "AWQ has no g_idx; --desc-act cannot be stored");
-                    ensure!(!sym, "the AWQ GEMM format stores zero points: use --asym");
-                    if args.group_size > 0 {
-                        let g = args.group_size as usize;
-                        for d in [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim] {
-                            ensure!(d % g == 0, "AWQ needs --group-size to divide every input dimension; {g} does not divide {d}");
-                        }
-                    }
+                    ensure!(!sym, "the AWQ GEMM format stores zero points (AutoAWQ's zero_point=True): drop --sym");
+                }
+                FormatArg::CompressedTensors => {
+                    ensure!(
+                        !args.desc_act || args.static_groups,
+                        "compressed-tensors >= 0.19 stores act-order only as `actorder: \"weight\"` (groups in the original column order, no g_idx): add --static-groups to --desc-act"
+                    );
                 }
                 _ => {}
             }
@@ -277,8 +321,12 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     validate(args, &cfg)?;
     let tok = crate::runtime::load_tokenizer(&args.model)?;
     let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ckpt.tensor(n)?) };
-    let sym = !args.asym;
-    let granularity = if args.group_size < 0 { Granularity::PerChannel } else { Granularity::PerGroup(args.group_size as usize) };
+    let sym = is_sym(args);
+    let gsz = group_size(args, &cfg);
+    if args.group_size.is_none() && is_packed(args.format) && gsz != 128 {
+        eprintln!("note: --group-size not given: using {gsz} (the largest of 128, 64, 32 dividing every linear's input width {:?})", input_dims(&cfg));
+    }
+    let granularity = if gsz < 0 { Granularity::PerChannel } else { Granularity::PerGroup(gsz as usize) };
     let scheme = Scheme { bits: args.bits, sym, granularity };
     let method = match args.method {
         MethodArg::Rtn => Method::Rtn,
@@ -288,7 +336,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         MethodArg::Int8 => Method::LlmInt8 { threshold: args.threshold, auto: args.auto_outliers },
         MethodArg::Gptq => Method::Gptq(GptqConfig {
             bits: args.bits,
-            group_size: (args.group_size > 0).then_some(args.group_size as usize),
+            group_size: (gsz > 0).then_some(gsz as usize),
             sym,
             damp_percent: args.damp_percent,
             desc_act: args.desc_act,
@@ -352,7 +400,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     } else {
         let pb = progress(layers, "quantize");
         let scheme = if args.method == MethodArg::Nf4 {
-            Scheme { granularity: Granularity::PerGroup(if args.group_size > 0 { args.group_size as usize } else { 64 }), ..scheme }
+            Scheme { granularity: Granularity::PerGroup(if gsz > 0 { gsz as usize } else { 64 }), ..scheme }
         } else {
             scheme
         };
@@ -391,7 +439,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
                 FormatArg::Awq => QuantMethod::Awq,
                 _ => QuantMethod::CompressedTensors,
             };
-            let mut qc = QuantConfig::new(qm_kind, args.bits, (args.group_size > 0).then_some(args.group_size as usize), sym);
+            let mut qc = QuantConfig::new(qm_kind, args.bits, (gsz > 0).then_some(gsz as usize), sym);
             qc.desc_act = args.desc_act;
             qc.static_groups = args.static_groups;
             qc.damp_percent = args.damp_percent;

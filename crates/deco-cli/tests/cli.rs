@@ -214,6 +214,40 @@ fn quantize_refuses_gptq_options_it_cannot_honour() {
     assert!(!out.exists(), "no output may be written on a refused command");
 }
 
+/// The packed formats' defaults work on SmolLM2 (input widths 576 and 1536): the group size
+/// becomes 64 (128 does not divide 576) and AWQ is asymmetric; a group size their loaders cannot
+/// read is refused naming the valid ones; act-order without static groups is refused for
+/// compressed-tensors (its current layout has no g_idx).
+#[test]
+fn quantize_packed_formats_defaults_and_group_sizes() {
+    let model = smollm2_gguf();
+    let m = model.to_str().expect("path");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("q");
+    let o = out.to_str().expect("path");
+    let r = deco(&["quantize", "--model", m, "--format", "gptq", "--group-size", "128", "--out", o]);
+    assert_clean_error(&r, &["--group-size 128", "576", "valid here: 64, 32, -1"]);
+    let r = deco(&["quantize", "--model", m, "--format", "compressed-tensors", "--method", "gptq", "--desc-act", "--out", o]);
+    assert_clean_error(&r, &["actorder", "--static-groups"]);
+    let r = deco(&["quantize", "--model", m, "--format", "awq", "--sym", "--out", o]);
+    assert_clean_error(&r, &["zero points", "--sym"]);
+    assert!(!out.exists(), "no output may be written on a refused command");
+    // Round to nearest in each format (the defaults being checked are the format's, not the
+    // method's; RTN keeps the test quick).
+    for (format, sym) in [("awq", false), ("gptq", true)] {
+        let out = dir.path().join(format);
+        let r = deco(&["quantize", "--model", m, "--format", format, "--method", "rtn", "--out", out.to_str().expect("path")]);
+        assert!(r.status.success(), "--format {format} with default options failed: {}", stderr(&r));
+        let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).expect("config.json")).expect("json");
+        let q = &cfg["quantization_config"];
+        assert_eq!(q["group_size"], 64, "{format}: {q}");
+        match format {
+            "awq" => assert_eq!(q["zero_point"], !sym, "{q}"),
+            _ => assert_eq!(q["sym"], sym, "{q}"),
+        }
+    }
+}
+
 #[test]
 fn layer_error_bad_input_is_a_clear_error() {
     let model = smollm2_gguf();

@@ -17,10 +17,10 @@
 //! | AWQ GEMM (AutoAWQ `WQLinear_GEMM.from_linear`) | `qweight` | `[in, out/8]` | i32 | word `[i, k]`, slot `j` holds output `8k + [0,2,4,6,1,3,5,7][j]` |
 //! | | `qzeros` | `[groups, out/8]` | i32 | same order, zero stored as is |
 //! | | `scales` | `[groups, out]` | f16 | |
-//! | compressed-tensors (`pack_quantized.pack_to_int32`) | `weight_packed` | `[out, ceil(in/pf)]` | i32 | word `[o, k]` holds `q + 2^(bits-1)` of inputs `k·pf + j`, zero padded |
+//! | compressed-tensors >= 0.18 (`pack_quantized.helpers.pack_to_int32`) | `weight_packed` | `[out, ceil(in·bits/32)]` | i32 | dense ([`pack_dense`]): row `o` is one bit stream, input `k`'s `q + 2^(bits-1)` at bits `k·bits ..` (for 3 bits, files of older versions with 10 codes per word are read too) |
 //! | | `weight_scale` | `[out, groups]` | f16 | |
-//! | | `weight_zero_point` (asym only) | `[ceil(out/pf), groups]` | i32 | packed along outputs (`packed_dim=0`) |
-//! | | `weight_g_idx` (act-order only) | `[in]` | i32 | |
+//! | | `weight_zero_point` (asym only) | `[ceil(out·bits/32), groups]` | i32 | dense along outputs (`packed_dim=0`) |
+//! | | `weight_g_idx` (read only: `actorder: "group"` of versions < 0.19) | `[in]` | i32 | written never: act-order is `actorder: "weight"`, groups in column order |
 //! | | `weight_shape` | `[2]` | i64 | `[out, in]` |
 //!
 //! In deco's terms a code `q` is unsigned (`0 ..= 2^bits - 1`) and the value is
@@ -232,7 +232,7 @@ impl QuantConfig {
                                 "symmetric": self.sym,
                                 "strategy": strategy,
                                 "group_size": gs,
-                                "actorder": if self.desc_act { json!("group") } else { Value::Null },
+                                "actorder": if self.desc_act { json!("weight") } else { Value::Null },
                                 "dynamic": false,
                                 "observer": "minmax",
                             },
@@ -328,7 +328,7 @@ impl QuantConfig {
                     s => return Err(bad(format!("weights strategy {s:?} is not supported (group, channel)"))),
                 };
                 let mut c = Self::new(method, int(w, "num_bits")? as u32, gs, flag(w, "symmetric", true)?);
-                c.desc_act = matches!(w.get("actorder").and_then(Value::as_str), Some("group") | Some("weight"));
+                c.desc_act = matches!(w.get("actorder").and_then(Value::as_str), Some("group" | "dynamic" | "weight" | "static"));
                 c
             }
         };
@@ -449,6 +449,59 @@ pub fn unpack_u32(packed: &[i32], rows: usize, cols: usize, bits: u32, dim: usiz
             let slot = order.iter().position(|&o| o == k).unwrap_or(k);
             let w = packed[wr * pc + wc] as u32;
             out[r * cols + c] = (w >> (bits as usize * slot)) & mask;
+        }
+    }
+    out
+}
+
+/// Packs `[rows, cols]` codes (each `< 2^bits`) densely along `dim` (0: rows, 1: columns), as
+/// compressed-tensors' `pack_to_int32` since 0.18: each line along `dim` is one little-endian
+/// bit stream in which code `k` occupies bits `k·bits .. (k+1)·bits`, split across two words
+/// when it straddles a word boundary, so a line of `n` codes takes `ceil(n·bits / 32)` words
+/// (no padding bits; for 2, 4 and 8 bits this is the same as [`pack_u32`] with the identity
+/// order, for 3 bits it is not: the older layout put 10 codes in a word).
+///
+/// Returns `(packed, packed_rows, packed_cols)`.
+pub fn pack_dense(values: &[u32], rows: usize, cols: usize, bits: u32, dim: usize) -> (Vec<i32>, usize, usize) {
+    let (lines, n) = if dim == 0 { (cols, rows) } else { (rows, cols) };
+    let words = (n * bits as usize).div_ceil(32);
+    let mut out = vec![0u32; lines * words];
+    for line in 0..lines {
+        for k in 0..n {
+            let v = if dim == 0 { values[k * cols + line] } else { values[line * cols + k] };
+            let bit = k * bits as usize;
+            let (w, off) = (bit / 32, bit % 32);
+            let idx = |w: usize| if dim == 0 { w * cols + line } else { line * words + w };
+            out[idx(w)] |= v << off;
+            if off + bits as usize > 32 {
+                out[idx(w + 1)] |= v >> (32 - off);
+            }
+        }
+    }
+    let (pr, pc) = if dim == 0 { (words, cols) } else { (rows, words) };
+    (out.into_iter().map(|w| w as i32).collect(), pr, pc)
+}
+
+/// The inverse of [`pack_dense`]: `[rows, cols]` codes from words packed densely along `dim`.
+/// `packed` must hold `ceil(n·bits / 32)` words per line.
+pub fn unpack_dense(packed: &[i32], rows: usize, cols: usize, bits: u32, dim: usize) -> Vec<u32> {
+    let n = if dim == 0 { rows } else { cols };
+    let words = (n * bits as usize).div_ceil(32);
+    let mask = (1u64 << bits) - 1;
+    let mut out = vec![0u32; rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            let (line, k) = if dim == 0 { (c, r) } else { (r, c) };
+            let word = |w: usize| -> u64 {
+                if w >= words {
+                    return 0;
+                }
+                (if dim == 0 { packed[w * cols + line] } else { packed[line * words + w] }) as u32 as u64
+            };
+            let bit = k * bits as usize;
+            let (w, off) = (bit / 32, bit % 32);
+            let pair = word(w) | (word(w + 1) << 32);
+            out[r * cols + c] = ((pair >> off) & mask) as u32;
         }
     }
     out
@@ -578,10 +631,14 @@ pub fn encode(l: &IntLinear, cfg: &QuantConfig, prefix: &str, path: &Path) -> Re
             if cfg.sym && l.zeros.iter().any(|&z| z != mid) {
                 return Err(bad(format!("symmetric compressed-tensors needs every zero point at {mid} (signed 0)")));
             }
-            if !cfg.desc_act && !l.is_sequential() {
-                return Err(bad("g_idx is permuted (act-order) but actorder is not set".into()));
+            if !l.is_sequential() {
+                return Err(bad(if cfg.desc_act {
+                    "g_idx is permuted (act-order with dynamic groups), which compressed-tensors >= 0.19 cannot store: its `actorder: \"weight\"` keeps the groups in column order (quantize with static groups)".into()
+                } else {
+                    "g_idx is permuted (act-order) but actorder is not set".into()
+                }));
             }
-            let (packed, pr, pc) = pack_u32(&codes_u32, o, i, bits, 1, &identity(bits));
+            let (packed, pr, pc) = pack_dense(&codes_u32, o, i, bits, 1);
             let mut t = vec![
                 (key("weight_packed"), StTensor::i32(vec![pr, pc], &packed)),
                 (key("weight_scale"), StTensor::f16(vec![o, g], &l.scales)),
@@ -589,12 +646,8 @@ pub fn encode(l: &IntLinear, cfg: &QuantConfig, prefix: &str, path: &Path) -> Re
             ];
             if !cfg.sym {
                 let zu: Vec<u32> = l.zeros.iter().map(|&z| z as u32).collect();
-                let (zp, zr, zc) = pack_u32(&zu, o, g, bits, 0, &identity(bits));
+                let (zp, zr, zc) = pack_dense(&zu, o, g, bits, 0);
                 t.push((key("weight_zero_point"), StTensor::i32(vec![zr, zc], &zp)));
-            }
-            if cfg.desc_act {
-                let g_idx: Vec<i32> = l.g_idx.iter().map(|&x| x as i32).collect();
-                t.push((key("weight_g_idx"), StTensor::i32(vec![i], &g_idx)));
             }
             Ok(t)
         }
@@ -732,13 +785,28 @@ pub fn decode<'a>(
                     return Err(bad("weight_shape", format!("{s:?}, expected [{o}, {i}]")));
                 }
             }
-            let packed = ints("weight_packed", &need("weight_packed")?, &[o, i.div_ceil(pf)])?;
+            // Dense packing (compressed-tensors >= 0.18); 3-bit files of older versions hold 10
+            // codes per word, told apart by the packed width (equal widths hold equal words for
+            // up to 10 codes, and real widths are multiples of 32, where they always differ).
+            let dense_w = (i * bits as usize).div_ceil(32);
+            let wt = need("weight_packed")?;
+            let codes = if bits == 3 && wt.shape == [o, i.div_ceil(pf)] && i.div_ceil(pf) != dense_w {
+                unpack_u32(&ints("weight_packed", &wt, &[o, i.div_ceil(pf)])?, o, i, bits, 1, &identity(bits))
+            } else {
+                unpack_dense(&ints("weight_packed", &wt, &[o, dense_w])?, o, i, bits, 1)
+            };
             let scales = floats("weight_scale", &need("weight_scale")?, &[o, g])?;
             let zeros: Vec<i32> = if cfg.sym {
                 vec![1i32 << (bits - 1); o * g]
             } else {
-                let zp = ints("weight_zero_point", &need("weight_zero_point")?, &[o.div_ceil(pf), g])?;
-                unpack_u32(&zp, o, g, bits, 0, &identity(bits)).into_iter().map(|z| z as i32).collect()
+                let dense_h = (o * bits as usize).div_ceil(32);
+                let zt = need("weight_zero_point")?;
+                let z = if bits == 3 && zt.shape == [o.div_ceil(pf), g] && o.div_ceil(pf) != dense_h {
+                    unpack_u32(&ints("weight_zero_point", &zt, &[o.div_ceil(pf), g])?, o, g, bits, 0, &identity(bits))
+                } else {
+                    unpack_dense(&ints("weight_zero_point", &zt, &[dense_h, g])?, o, g, bits, 0)
+                };
+                z.into_iter().map(|z| z as i32).collect()
             };
             let g_idx: Vec<u32> = match get(&format!("{prefix}.weight_g_idx")) {
                 Some(t) => ints("weight_g_idx", &t, &[i])?.into_iter().map(|x| x as u32).collect(),
@@ -749,7 +817,7 @@ pub fn decode<'a>(
                 in_features: i,
                 bits,
                 group_size: gs,
-                codes: unpack_u32(&packed, o, i, bits, 1, &identity(bits)).into_iter().map(|q| q as u8).collect(),
+                codes: codes.into_iter().map(|q| q as u8).collect(),
                 scales,
                 zeros,
                 g_idx,
@@ -824,5 +892,107 @@ mod tests {
         let (p, r, c) = pack_u32(&v, 1, 2, 8, 1, &identity(8));
         assert_eq!((r, c, p[0]), (1, 1, 33409));
         assert_eq!(unpack_u32(&p, 1, 2, 8, 1, &identity(8)), v);
+    }
+
+    /// compressed-tensors' dense layout from its definition (pack_to_int32's docstring: "element
+    /// i ... from global bit position i*num_bits", no padding bits), written bit by bit: each
+    /// line's codes appended least significant bit first to a bit vector, which is then cut
+    /// into 32-bit words.
+    fn dense_reference(values: &[u32], rows: usize, cols: usize, bits: u32, dim: usize) -> Vec<u32> {
+        let (lines, n) = if dim == 0 { (cols, rows) } else { (rows, cols) };
+        let words = (n * bits as usize).div_ceil(32);
+        let mut per_line = Vec::new();
+        for line in 0..lines {
+            let mut stream: Vec<bool> = Vec::new();
+            for k in 0..n {
+                let v = if dim == 0 { values[k * cols + line] } else { values[line * cols + k] };
+                stream.extend((0..bits).map(|b| (v >> b) & 1 == 1));
+            }
+            stream.resize(words * 32, false);
+            per_line.push(stream.chunks(32).map(|w| w.iter().enumerate().fold(0u32, |acc, (b, &on)| acc | (u32::from(on) << b))).collect::<Vec<u32>>());
+        }
+        // Lay the lines out as `[lines, words]` (dim 1) or `[words, lines]` (dim 0).
+        let mut out = vec![0u32; lines * words];
+        for (line, ws) in per_line.iter().enumerate() {
+            for (w, &x) in ws.iter().enumerate() {
+                out[if dim == 0 { w * lines + line } else { line * words + w }] = x;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn dense_packing_matches_its_definition() {
+        // A hand case: 3-bit codes 1..=11 in one row; code 10 (value 11 = 0b011) straddles the
+        // first word: its low two bits are bits 30-31 of word 0, its high bit bit 0 of word 1.
+        let v: Vec<u32> = (1..=11).map(|x| x % 8).collect();
+        let (p, r, c) = pack_dense(&v, 1, 11, 3, 1);
+        assert_eq!((r, c), (1, 2));
+        assert_eq!((p[0] as u32) >> 30, 0b11);
+        assert_eq!(p[1] as u32 & 1, 0);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for bits in 1..=8u32 {
+            for _ in 0..20 {
+                let (rows, cols) = (1 + (next() % 40) as usize, 1 + (next() % 70) as usize);
+                let v: Vec<u32> = (0..rows * cols).map(|_| (next() % (1 << bits)) as u32).collect();
+                for dim in [0, 1] {
+                    let (p, pr, pc) = pack_dense(&v, rows, cols, bits, dim);
+                    let want = dense_reference(&v, rows, cols, bits, dim);
+                    assert_eq!(p.iter().map(|&w| w as u32).collect::<Vec<_>>(), want, "bits {bits} dim {dim} [{rows}, {cols}]");
+                    let n = if dim == 0 { rows } else { cols };
+                    assert_eq!(pr * pc, want.len());
+                    assert_eq!(if dim == 0 { pr } else { pc }, (n * bits as usize).div_ceil(32));
+                    assert_eq!(unpack_dense(&p, rows, cols, bits, dim), v, "round trip bits {bits} dim {dim}");
+                    if 32 % bits == 0 {
+                        // Widths dividing 32: the same words as the older layout.
+                        assert_eq!(pack_u32(&v, rows, cols, bits, dim, &identity(bits)).0, p);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A 3-bit compressed-tensors layer written in the older layout (10 codes per word) still
+    /// decodes to its codes; the same layer written now uses the dense layout.
+    #[test]
+    fn compressed_tensors_reads_the_older_3_bit_layout() {
+        let (o, i, gs) = (32usize, 64usize, 32usize);
+        let codes: Vec<u32> = (0..o * i).map(|k| ((k * 7 + k / i) % 8) as u32).collect();
+        let zeros: Vec<u32> = (0..o * 2).map(|k| (k % 8) as u32).collect();
+        let cfg = QuantConfig::new(QuantMethod::CompressedTensors, 3, Some(gs), false);
+        let legacy = |name: &str| -> Option<StTensor> {
+            match name {
+                "x.weight_packed" => {
+                    let (p, r, c) = pack_u32(&codes, o, i, 3, 1, &identity(3));
+                    Some(StTensor::i32(vec![r, c], &p))
+                }
+                "x.weight_zero_point" => {
+                    let (p, r, c) = pack_u32(&zeros, o, 2, 3, 0, &identity(3));
+                    Some(StTensor::i32(vec![r, c], &p))
+                }
+                "x.weight_scale" => Some(StTensor::f16(vec![o, 2], &vec![0.25; o * 2])),
+                _ => None,
+            }
+        };
+        let tensors: Vec<(String, StTensor)> = ["x.weight_packed", "x.weight_zero_point", "x.weight_scale"].iter().filter_map(|n| legacy(n).map(|t| (n.to_string(), t))).collect();
+        let get = |n: &str| tensors.iter().find(|(k, _)| k == n).map(|(_, t)| RawTensor { dtype: t.dtype, shape: t.shape.clone(), data: &t.data });
+        let l = decode(&get, &cfg, "x", o, i, Path::new("mem")).expect("legacy decode");
+        assert_eq!(l.codes.iter().map(|&q| u32::from(q)).collect::<Vec<_>>(), codes);
+        assert_eq!(l.zeros.iter().map(|&z| z as u32).collect::<Vec<_>>(), zeros);
+        // Written now: dense widths (64·3/32 = 6 words per row, 32·3/32 = 3 zero-point rows).
+        let written = encode(&l, &cfg, "x", Path::new("mem")).expect("encode");
+        let shape = |n: &str| written.iter().find(|(k, _)| k == n).map(|(_, t)| t.shape.clone());
+        assert_eq!(shape("x.weight_packed"), Some(vec![o, 6]));
+        assert_eq!(shape("x.weight_zero_point"), Some(vec![3, 2]));
+        let get = |n: &str| written.iter().find(|(k, _)| k == n).map(|(_, t)| RawTensor { dtype: t.dtype, shape: t.shape.clone(), data: &t.data });
+        let back = decode(&get, &cfg, "x", o, i, Path::new("mem")).expect("dense decode");
+        assert_eq!(back.codes, l.codes);
+        assert_eq!(back.zeros, l.zeros);
     }
 }

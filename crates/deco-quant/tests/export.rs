@@ -191,13 +191,20 @@ fn compressed_tensors_round_trip() {
     let ct = |bits, gs, sym| QuantConfig::new(QuantMethod::CompressedTensors, bits, gs, sym);
     round_trip("ct4s", ct(4, Some(32), true), quantize_layer(7, &rtn(4, true, Granularity::PerGroup(32))));
     round_trip("ct8a", ct(8, None, false), quantize_layer(8, &rtn(8, false, Granularity::PerChannel)));
-    // 3 bits: 10 codes per word, 96 = 9·10 + 6 -> a zero-padded last word; out 32 = 3·10 + 2
-    // for the zero points packed along outputs.
+    // 3 bits, packed densely (compressed-tensors >= 0.18): 96 inputs -> 9 words per row, codes
+    // straddling words; 32 outputs -> 3 words of zero points per group.
     round_trip("ct3a", ct(3, Some(32), false), quantize_layer(9, &rtn(3, false, Granularity::PerGroup(32))));
     let mut qc = ct(4, Some(32), false);
     qc.desc_act = true;
-    let cfg = GptqConfig { bits: 4, group_size: Some(32), sym: false, desc_act: true, ..GptqConfig::default() };
-    round_trip("ct_act", qc, quantize_layer(10, &gptq(cfg)));
+    // Act-order is stored as `actorder: "weight"` (static groups, no g_idx); dynamic groups
+    // (a permuted g_idx) cannot be stored and are refused.
+    let cfg = GptqConfig { bits: 4, group_size: Some(32), sym: false, desc_act: true, static_groups: true, ..GptqConfig::default() };
+    round_trip("ct_act", qc.clone(), quantize_layer(10, &gptq(cfg)));
+    let dynamic = quantize_layer(10, &gptq(GptqConfig { static_groups: false, ..cfg }));
+    let l = to_int_linear(dynamic.values().next().expect("a layer"));
+    assert!(!l.is_sequential(), "act-order with dynamic groups should permute g_idx");
+    let err = encode(&l, &qc, "x", std::path::Path::new("mem")).expect_err("dynamic act-order refused").to_string();
+    assert!(err.contains("static groups"), "{err}");
 }
 
 /// AutoGPTQ `QuantLinear.pack` on an 8x8 layer, written out by hand from its loops:
