@@ -127,6 +127,8 @@ pub struct Run {
     pub rows: Vec<Row>,
     /// The load-test line, verbatim.
     pub load_test: String,
+    /// The structured-output line (`structured output (json_object): ...`), if printed.
+    pub structured: String,
     pub failed: Option<usize>,
     pub blocks_used: Option<usize>,
     pub peak_rss_mib: Option<f64>,
@@ -163,6 +165,7 @@ pub fn parse(out: &str) -> Result<Run> {
         bail!("serve_bench printed no table rows");
     }
     let load_test = out.lines().find(|l| l.starts_with("load test:")).unwrap_or("").to_string();
+    let structured = out.lines().find(|l| l.starts_with("structured output")).unwrap_or("").to_string();
     let number_before = |s: &str, word: &str| -> Option<usize> {
         let i = s.find(word)?;
         s[..i].split_whitespace().last()?.parse().ok()
@@ -176,7 +179,7 @@ pub fn parse(out: &str) -> Result<Run> {
         .lines()
         .find_map(|l| l.strip_prefix("peak RSS (VmHWM): "))
         .and_then(|r| r.split_whitespace().next()?.parse().ok());
-    Ok(Run { rows, load_test, failed, blocks_used, peak_rss_mib })
+    Ok(Run { rows, load_test, structured, failed, blocks_used, peak_rss_mib })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -316,6 +319,13 @@ pub fn render(o: &Options, runs: &[Run], loadavg: &str) -> String {
             "\nGoal of issue 6: aggregate throughput at 16 streams ≥ 4× one stream. Measured: **{}×** ({verdict}).\n",
             fmt(ratio, 2),
         ));
+    }
+    let structured: Vec<&str> = runs.iter().map(|r| r.structured.as_str()).filter(|l| !l.is_empty()).collect();
+    if !structured.is_empty() {
+        s.push_str("\nStructured output, per-token cost of the grammar mask (one line per run; the mask is computed on the engine thread for each constrained sequence of a step, so at 16 streams its share is 16 masks per ITL):\n\n");
+        for (i, l) in structured.iter().enumerate() {
+            s.push_str(&format!("- run {}: {l}\n", i + 1));
+        }
     }
     s.push_str("\nLoad tests (one per run):\n\n");
     for (i, r) in runs.iter().enumerate() {

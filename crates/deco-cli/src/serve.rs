@@ -86,7 +86,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let max_context = model.max_context();
     let heads = args.autodeco.as_deref().map(deco_autodeco::HostHeads::load).transpose()?;
     let (engine, join) = deco_serve::spawn_engine_with(model, tokenizer.clone(), config, heads)?;
-    gate.set_ready(Arc::new(ServerState { engine, tokenizer, template, model_name: model_name.clone() }))?;
+    gate.set_ready(Arc::new(ServerState::new(engine, tokenizer, template, model_name.clone())))?;
     eprintln!(
         "deco serve: model `{model_name}` (context {max_context}) ready, KV cache {num_blocks} blocks x {} tokens ({} MiB)",
         args.block_size,

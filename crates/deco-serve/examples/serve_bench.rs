@@ -7,7 +7,10 @@
 //! 1. for 1, 4, 16, 64 concurrent streams: requests of 32 generated tokens (`min_new_tokens`
 //!    = `max_tokens`, so EOS cannot cut them short), aggregate generated tok/s, time to first
 //!    token and inter-token latency p50/p99;
-//! 2. a load test: 1,000 requests (mixed lengths, some chat) from 64 concurrent clients;
+//! 2. structured output: the 1- and 16-stream cases again with `response_format: json_object`
+//!    (up to 32 tokens, the grammar may end a request earlier): inter-token latency p50 next to
+//!    the unconstrained one, and the mean time the engine spent per token mask (`/metrics`);
+//! 3. a load test: 1,000 requests (mixed lengths, some chat) from 64 concurrent clients;
 //!    counts failures and checks `/metrics` reports every KV block free afterwards.
 //!
 //! Prints peak resident memory (VmHWM) of the process at the end.
@@ -103,13 +106,14 @@ fn main() -> R<()> {
         ..EngineConfig::default()
     };
     let (engine, _join) = deco_serve::spawn_engine(model, tokenizer.clone(), config)?;
-    let state = Arc::new(ServerState { engine, tokenizer, template, model_name: "m".into() });
+    let state = Arc::new(ServerState::new(engine, tokenizer, template, "m".into()));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         tokio::spawn(deco_serve::serve(listener, state, std::future::pending()));
         let ntok = 32;
+        let mut itl_plain = std::collections::HashMap::new();
         println!("| streams | requests | generated tok | wall s | aggregate tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |");
         println!("|---|---|---|---|---|---|---|---|---|");
         for &c in &[1usize, 4, 16, 64] {
@@ -143,6 +147,7 @@ fn main() -> R<()> {
                 }
             }
             let wall = t0.elapsed().as_secs_f64();
+            itl_plain.insert(c, pct(&mut itl, 0.5));
             println!(
                 "| {c} | {n} | {toks} | {wall:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} |",
                 toks as f64 / wall,
@@ -152,6 +157,40 @@ fn main() -> R<()> {
                 pct(&mut itl, 0.99)
             );
         }
+        // Structured output: the same streams constrained to a JSON object.
+        let mut parts = Vec::new();
+        for &c in &[1usize, 16] {
+            let before = get(addr, "/metrics").await?;
+            let mut tasks = Vec::new();
+            for i in 0..c {
+                tasks.push(tokio::spawn(async move {
+                    let body = format!(
+                        r#"{{"prompt":"Request {i}: a robot described as JSON:","max_tokens":{ntok},"temperature":0.8,"seed":{i},"stream":true,"response_format":{{"type":"json_object"}}}}"#
+                    );
+                    stream_request(addr, "/v1/completions", body).await
+                }));
+            }
+            let mut itl = Vec::new();
+            for t in tasks {
+                let (ok, times) = t.await??;
+                assert!(ok, "structured request failed");
+                itl.extend(times.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3));
+            }
+            let after = get(addr, "/metrics").await?;
+            let m = |text: &str, name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(f64::NAN) };
+            let masks = m(&after, "deco_structured_masks_total") - m(&before, "deco_structured_masks_total");
+            let ns = m(&after, "deco_structured_mask_nanoseconds_total") - m(&before, "deco_structured_mask_nanoseconds_total");
+            let mask_ms = ns / masks / 1e6;
+            let itl50 = pct(&mut itl, 0.5);
+            let plain = itl_plain.get(&c).copied().unwrap_or(f64::NAN);
+            parts.push(format!(
+                "{c} stream{}: ITL p50 {itl50:.1} ms (unconstrained {plain:.1} ms), mask {:.3} ms per token over {masks:.0} tokens = {:.1} % of the unconstrained ITL",
+                if c == 1 { "" } else { "s" },
+                mask_ms,
+                100.0 * mask_ms * c as f64 / plain
+            ));
+        }
+        println!("\nstructured output (json_object): {}", parts.join("; "));
         // Load test.
         let total = if quick { 128 } else { 1000 };
         let clients = 64;

@@ -27,6 +27,7 @@ use deco_model::{Llama, LogitsWanted, SeqId, SeqInput};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::paged_cache::{CacheShape, PagedKvCache};
+use crate::structured::Constraint;
 use crate::scheduler::{SchedSeq, Scheduler, SchedulerConfig};
 use crate::{Error, Result};
 use deco_autodeco::HostHeads;
@@ -110,6 +111,9 @@ pub struct GenerateRequest {
     pub params: SamplingParams,
     /// Number of sequences to generate.
     pub n: usize,
+    /// Structured-output constraint (compiled by [`crate::Grammars::compile`]); each of the `n`
+    /// sequences gets its own copy of its state.
+    pub constraint: Option<Constraint>,
 }
 
 /// Bucket bounds (seconds) of `vllm:time_to_first_token_seconds`, as vLLM's
@@ -237,6 +241,10 @@ pub struct Metrics {
     pub steps: AtomicU64,
     /// Errors of forward passes.
     pub step_errors: AtomicU64,
+    /// Structured-output masks computed (one per constrained token).
+    pub structured_masks: AtomicU64,
+    /// Time spent computing and applying them, in nanoseconds.
+    pub structured_mask_ns: AtomicU64,
     /// Latency histograms.
     pub latency: LatencyHistograms,
 }
@@ -284,6 +292,8 @@ impl Metrics {
         put("preemptions_total", "counter", "Sequences preempted (recompute).", c(&self.preemptions));
         put("engine_steps_total", "counter", "Engine steps (forward passes).", c(&self.steps));
         put("engine_step_errors_total", "counter", "Failed forward passes.", c(&self.step_errors));
+        put("structured_masks_total", "counter", "Structured-output token masks computed.", c(&self.structured_masks));
+        put("structured_mask_nanoseconds_total", "counter", "Time computing and applying structured-output masks, in nanoseconds.", c(&self.structured_mask_ns));
 
         let labels = format!("model_name=\"{}\",engine=\"0\"", label_value(model_name));
         let mut vput = |name: &str, kind: &str, help: &str, series: &[(String, String)]| {
@@ -489,6 +499,8 @@ struct SeqState {
     generated: Vec<u32>,
     /// When this sequence's last token was sampled.
     last_token: Option<Instant>,
+    /// Its structured-output state.
+    constraint: Option<Constraint>,
 }
 
 struct ReqState {
@@ -658,7 +670,7 @@ impl Engine {
                 let sid = self.next_seq;
                 self.next_seq += 1;
                 self.sched.add(sid, req.prompt.clone());
-                self.seqs.insert(sid, SeqState { req: id, index: 0, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None });
+                self.seqs.insert(sid, SeqState { req: id, index: 0, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None, constraint: req.constraint });
                 self.reqs.insert(
                     id,
                     ReqState {
@@ -769,7 +781,8 @@ impl Engine {
                             let tokens = self.sched.get(c.seq).map(|s| s.tokens.clone()).unwrap_or_default();
                             let num_computed = tokens.len();
                             self.sched.add_running(SchedSeq { id: child, tokens, num_computed });
-                            self.seqs.insert(child, SeqState { req: req_id, index: i, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None });
+                            let constraint = self.seqs.get(&c.seq).and_then(|s| s.constraint.clone());
+                            self.seqs.insert(child, SeqState { req: req_id, index: i, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None, constraint });
                             if let Some(r) = self.reqs.get_mut(&req_id) {
                                 r.seqs.push(child);
                             }
@@ -796,6 +809,13 @@ impl Engine {
         let Some(s) = self.seqs.get_mut(&sid) else { return Ok(()) };
         let Some(r) = self.reqs.get_mut(&s.req) else { return Ok(()) };
         let ctx = ProcessContext::new(&r.prompt, &s.generated, &self.eos);
+        // Structured output: the grammar's mask comes first in the chain.
+        if let Some(c) = s.constraint.as_mut() {
+            let t0 = Instant::now();
+            c.apply(row)?;
+            self.metrics.structured_mask_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.metrics.structured_masks.fetch_add(1, Ordering::Relaxed);
+        }
         let out = match (&self.autodeco, hidden) {
             (Some(heads), Some(h)) if !r.params.is_greedy() => {
                 let predicted = heads.predict(h, row)?;
@@ -807,6 +827,13 @@ impl Engine {
         };
         s.generated.push(out.token);
         self.metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        let grammar_done = match s.constraint.as_mut() {
+            Some(c) => {
+                c.commit(out.token)?;
+                c.is_finished()
+            }
+            None => false,
+        };
         let now = Instant::now();
         let lat = &self.metrics.latency;
         if let Some(last) = s.last_token {
@@ -827,8 +854,13 @@ impl Engine {
             let mut step = s.matcher.push(&piece);
             if step.stop.is_some() {
                 finish = Some(FinishReason::Stop);
-            } else if finish.is_some() || r.prompt.len() + n_gen >= self.model.max_context() {
-                finish.get_or_insert(FinishReason::Length);
+            } else if finish.is_some() || grammar_done || r.prompt.len() + n_gen >= self.model.max_context() {
+                // A complete grammar stops the sequence like a stop token whose text is kept.
+                if grammar_done {
+                    finish = Some(FinishReason::Stop);
+                } else {
+                    finish.get_or_insert(FinishReason::Length);
+                }
                 let rest = s.detok.flush(&self.tokenizer)?;
                 let more = s.matcher.push(&rest);
                 step.text.push_str(&more.text);

@@ -35,6 +35,10 @@ pub enum Error {
     /// Socket errors of the HTTP server.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+    /// A structured-output constraint failed during generation (its grammar allows no token,
+    /// or rejected the sampled one).
+    #[error("structured output: {0}")]
+    Structured(String),
     /// AutoDeco heads failed (shape mismatch with the model).
     #[error(transparent)]
     AutoDeco(#[from] deco_autodeco::Error),

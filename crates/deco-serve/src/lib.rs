@@ -9,6 +9,8 @@
 //! - [`engine`]: the engine thread: one batched forward per step, per-request sampling, stop
 //!   handling, streaming events.
 //! - [`server`] and [`openai`]: the OpenAI-compatible HTTP API (axum).
+//! - [`structured`]: structured output (JSON schema, Lark grammar, regex) as token masks
+//!   (llguidance).
 
 pub mod block_pool;
 pub mod engine;
@@ -17,10 +19,12 @@ pub mod openai;
 pub mod paged_cache;
 pub mod scheduler;
 pub mod server;
+pub mod structured;
 
 pub use block_pool::{BlockId, BlockPool, PrefixKey};
 pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Histogram, LatencyHistograms, Metrics, TokenInfo, spawn_engine, spawn_engine_with};
 pub use error::{Error, Result};
 pub use paged_cache::{CacheShape, PagedKvCache};
 pub use scheduler::{Chunk, SchedSeq, Scheduler, SchedulerConfig, StepPlan};
+pub use structured::{Constraint, Grammars, OutputConstraint};
 pub use server::{ApiError, PreparedRequest, Readiness, RequestContext, ServerState, prepare_chat, prepare_completion, router, router_with, serve, serve_with, shutdown_signal};

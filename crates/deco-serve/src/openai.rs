@@ -134,6 +134,7 @@ const NON_SAMPLING_KEYS: &[&str] = &[
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream",
     "stream_options", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "user",
     "add_generation_prompt", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "guided_json", "guided_regex", "guided_grammar",
 ];
 
 /// Reads the sampling fields (every [`SamplingParams`] field by name, OpenAI names included)

@@ -50,6 +50,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::{EngineEvent, EngineHandle, GenerateRequest, TokenInfo};
 use crate::openai::{ChatRequest, CompletionRequest, Content, Prompt, error_body, sampling_params};
+use crate::structured::{Constraint, Grammars, OutputConstraint};
 use crate::{Error, Result};
 
 /// Shared state of the handlers.
@@ -63,6 +64,18 @@ pub struct ServerState {
     pub template: Option<ChatTemplate>,
     /// Name under which the model is served (`model` field).
     pub model_name: String,
+    /// The structured-output compiler for this tokenizer (`None` when it could not be built,
+    /// e.g. no EOS token: then constrained requests get a 400).
+    pub grammars: Option<Arc<Grammars>>,
+}
+
+impl ServerState {
+    /// The state of a server for `engine`, with the structured-output compiler built from
+    /// `tokenizer` (see [`Grammars::new`]).
+    pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, template: Option<ChatTemplate>, model_name: String) -> Self {
+        let grammars = Grammars::new(tokenizer.clone()).ok().map(Arc::new);
+        Self { engine, tokenizer, template, model_name, grammars }
+    }
 }
 
 /// What the routes serve: nothing while the model is loading, then the [`ServerState`]; and
@@ -323,6 +336,8 @@ pub struct RequestContext<'a> {
     /// and the KV pool's capacity, whichever is smaller (the default `max_tokens` of a chat
     /// request is what is left of it after the prompt).
     pub max_sequence_tokens: usize,
+    /// The structured-output compiler (`None`: constrained requests are refused).
+    pub grammars: Option<&'a Grammars>,
 }
 
 impl ServerState {
@@ -334,6 +349,7 @@ impl ServerState {
             template: self.template.as_ref(),
             model_name: &self.model_name,
             max_sequence_tokens: self.engine.max_context().min(cfg.num_blocks * cfg.block_size),
+            grammars: self.grammars.as_deref(),
         }
     }
 }
@@ -355,6 +371,8 @@ pub struct PreparedRequest {
     pub include_usage: bool,
     /// Report logprobs.
     pub want_logprobs: bool,
+    /// The compiled structured-output constraint, if the request asked for one.
+    pub constraint: Option<Constraint>,
     default_max: DefaultMax,
 }
 
@@ -385,17 +403,9 @@ fn parse_body(body: &[u8]) -> ApiResult<Value> {
     Ok(v)
 }
 
-/// Refuses the OpenAI fields deco cannot honour yet instead of ignoring them: a
-/// `response_format` other than `{"type": "text"}`, a non-empty `tools` list, a `tool_choice`
-/// other than `"none"` (structured output and tool calls are not implemented).
+/// Refuses the OpenAI fields deco cannot honour yet instead of ignoring them: a non-empty
+/// `tools` list, a `tool_choice` other than `"none"` (tool calls are not implemented).
 fn refuse_unsupported(v: &Value) -> ApiResult<()> {
-    match v.get("response_format") {
-        None | Some(Value::Null) => {}
-        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(f) => {
-            return Err(ApiError::bad(format!("response_format {f} is not supported: this server has no structured output yet (only {{\"type\": \"text\"}})")).param("response_format"));
-        }
-    }
     match v.get("tools") {
         None | Some(Value::Null) => {}
         Some(Value::Array(a)) if a.is_empty() => {}
@@ -407,6 +417,60 @@ fn refuse_unsupported(v: &Value) -> ApiResult<()> {
         Some(c) => return Err(ApiError::bad(format!("tool_choice {c} is not supported: this server has no tool calling yet")).param("tool_choice")),
     }
     Ok(())
+}
+
+/// The output constraint a request asks for: OpenAI's `response_format` (`text`,
+/// `json_object`, `json_schema` with `json_schema.schema`; `strict` is always honoured, the
+/// output is constrained either way) or vLLM's `guided_json` (a schema, as an object or a JSON
+/// string), `guided_regex`, `guided_grammar` (llguidance's Lark syntax). At most one.
+fn output_constraint(v: &Value) -> ApiResult<Option<(OutputConstraint, &'static str)>> {
+    let mut found: Vec<(OutputConstraint, &'static str)> = Vec::new();
+    match v.get("response_format") {
+        None | Some(Value::Null) => {}
+        Some(f) => match f.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push((OutputConstraint::JsonObject, "response_format")),
+            Some("json_schema") => {
+                let schema = f
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .filter(|s| s.is_object() || s.is_boolean())
+                    .ok_or_else(|| ApiError::bad("response_format json_schema needs json_schema.schema (a JSON schema object)").param("response_format"))?;
+                found.push((OutputConstraint::JsonSchema(schema.clone()), "response_format"));
+            }
+            _ => return Err(ApiError::bad(format!("response_format {f} is not one of text, json_object, json_schema")).param("response_format")),
+        },
+    }
+    match v.get("guided_json") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => {
+            let schema: Value = serde_json::from_str(s).map_err(|e| ApiError::bad(format!("guided_json is not JSON: {e}")).param("guided_json"))?;
+            found.push((OutputConstraint::JsonSchema(schema), "guided_json"));
+        }
+        Some(s @ (Value::Object(_) | Value::Bool(_))) => found.push((OutputConstraint::JsonSchema(s.clone()), "guided_json")),
+        Some(_) => return Err(ApiError::bad("guided_json must be a JSON schema (object or string)").param("guided_json")),
+    }
+    for (key, make) in [("guided_regex", OutputConstraint::Regex as fn(String) -> OutputConstraint), ("guided_grammar", OutputConstraint::Lark)] {
+        match v.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => found.push((make(s.clone()), key)),
+            Some(_) => return Err(ApiError::bad(format!("{key} must be a string")).param(key)),
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(_, k)| *k).collect();
+        return Err(ApiError::bad(format!("give at most one output constraint, got {}", names.join(", "))));
+    }
+    Ok(found.pop())
+}
+
+/// Compiles the request's output constraint, if any.
+fn compile_constraint(st: &RequestContext<'_>, v: &Value) -> ApiResult<Option<Constraint>> {
+    let Some((c, param)) = output_constraint(v)? else { return Ok(None) };
+    let Some(g) = st.grammars else {
+        return Err(ApiError::bad("structured output is not available for this model's tokenizer").param(param));
+    };
+    g.compile(&c).map(Some).map_err(|e| ApiError::bad(e.to_string()).param(param))
 }
 
 fn check_model(st: &RequestContext<'_>, model: Option<&str>) -> ApiResult<()> {
@@ -453,7 +517,7 @@ fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
         params.max_new_tokens = Some(max);
         prompt_tokens += prompt.len();
         // Receivers already obtained are dropped on error, which cancels those requests.
-        let (_, rx) = st.engine.submit(GenerateRequest { prompt, params, n: prep.n })?;
+        let (_, rx) = st.engine.submit(GenerateRequest { prompt, params, n: prep.n, constraint: prep.constraint.clone() })?;
         rxs.push(rx);
     }
     Ok(Submitted { rxs, prompt_tokens, n: prep.n })
@@ -644,13 +708,15 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
 /// # Errors
 /// A 400 [`ApiError`] naming the problem: not JSON or not an object, a field of the wrong type,
 /// another model, an unsupported field (`echo`, `suffix`, `best_of != n`), `max_tokens` 0, an
-/// invalid sampling parameter, an empty prompt, token ids beyond the vocabulary, a
-/// `response_format` / `tools` / `tool_choice` deco cannot honour (see `refuse_unsupported`).
+/// invalid sampling parameter, an empty prompt, token ids beyond the vocabulary, `tools` /
+/// `tool_choice` (not implemented), an output constraint (`response_format`, `guided_json`,
+/// `guided_regex`, `guided_grammar`) that is malformed or does not compile.
 pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result<PreparedRequest, ApiError> {
     let v = parse_body(body)?;
     let req: CompletionRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid completion request: {e}")))?;
     check_model(st, req.model.as_deref())?;
     refuse_unsupported(&v)?;
+    let constraint = compile_constraint(st, &v)?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
     if req.echo == Some(true) {
         return Err(ApiError::bad("echo is not supported").param("echo"));
@@ -692,6 +758,7 @@ pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::
         stream: req.stream == Some(true),
         include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         want_logprobs: req.logprobs.is_some(),
+        constraint,
         default_max: DefaultMax::Fixed(16),
     })
 }
@@ -741,13 +808,14 @@ fn uniq() -> String {
 /// A 400 [`ApiError`] naming the problem: not JSON or not an object, a field of the wrong type,
 /// another model, no chat template, no messages, a non-text content part, `max_tokens` 0,
 /// `top_logprobs` without `logprobs`, an invalid sampling parameter, a template that fails to
-/// render (or exceeds its render budget), a `response_format` / `tools` / `tool_choice` deco
-/// cannot honour.
+/// render (or exceeds its render budget), `tools` / `tool_choice` (not implemented), an output
+/// constraint that is malformed or does not compile.
 pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result<PreparedRequest, ApiError> {
     let v = parse_body(body)?;
     let req: ChatRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid chat request: {e}")))?;
     check_model(st, req.model.as_deref())?;
     refuse_unsupported(&v)?;
+    let constraint = compile_constraint(st, &v)?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
     let Some(template) = st.template else {
         return Err(ApiError::bad("this model has no chat template; use /v1/completions"));
@@ -797,6 +865,7 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
         stream: req.stream == Some(true),
         include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         want_logprobs,
+        constraint,
         default_max: DefaultMax::RestOf(st.max_sequence_tokens),
     })
 }

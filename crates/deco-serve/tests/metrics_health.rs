@@ -87,7 +87,7 @@ fn lifecycle_cached_tokens_and_vllm_metrics() {
         ..EngineConfig::default()
     };
     let (engine, join) = deco_serve::spawn_engine(model, tokenizer.clone(), config).expect("engine");
-    gate.set_ready(Arc::new(ServerState { engine, tokenizer, template: None, model_name: "smol \"test\"".into() })).expect("ready");
+    gate.set_ready(Arc::new(ServerState::new(engine, tokenizer, None, "smol \"test\"".into()))).expect("ready");
     assert_eq!(http(addr, "GET", "/health", None).0, 200);
 
     // Requests with token-id prompts (exact lengths): A (40 tokens) twice, then B (20 tokens, n = 2).

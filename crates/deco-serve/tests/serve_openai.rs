@@ -34,7 +34,7 @@ fn openai_python_client_against_server() {
     };
     let (engine, join) = deco_serve::spawn_engine(model, tokenizer.clone(), config).expect("engine");
     let metrics = engine.metrics.clone();
-    let state = Arc::new(ServerState { engine, tokenizer, template, model_name: "smollm2".into() });
+    let state = Arc::new(ServerState::new(engine, tokenizer, template, "smollm2".into()));
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
