@@ -16,7 +16,6 @@ mod soak;
 use std::path::PathBuf;
 
 fn main() {
-    let mut args = std::env::args().skip(1);
     let mut c = soak::Config {
         deco: PathBuf::new(),
         model: PathBuf::new(),
@@ -29,19 +28,18 @@ fn main() {
     };
     let mut out = None;
     let usage = "usage: serve_soak --deco BIN --model M [--requests N] [--clients N] [--seed S] [--kv-cache-mib N] [--drain-streams N] [--out FILE.json] [--log FILE]";
-    while let Some(a) = args.next() {
-        let mut val = || args.next().unwrap_or_else(|| fail(&format!("{a} needs a value; {usage}")));
-        let num = |s: String| s.parse::<usize>().unwrap_or_else(|_| fail(&format!("{a}: `{s}` is not a number")));
+    for (a, v) in soak::flag_pairs("serve_soak", usage) {
+        let num = |v: &str| soak::flag_num("serve_soak", &a, v);
         match a.as_str() {
-            "--deco" => c.deco = val().into(),
-            "--model" => c.model = val().into(),
-            "--requests" => c.requests = num(val()),
-            "--clients" => c.clients = num(val()),
-            "--seed" => c.seed = num(val()) as u64,
-            "--kv-cache-mib" => c.kv_cache_mib = num(val()),
-            "--drain-streams" => c.drain_streams = num(val()),
-            "--out" => out = Some(PathBuf::from(val())),
-            "--log" => c.log = val().into(),
+            "--deco" => c.deco = v.into(),
+            "--model" => c.model = v.into(),
+            "--requests" => c.requests = num(&v),
+            "--clients" => c.clients = num(&v),
+            "--seed" => c.seed = num(&v) as u64,
+            "--kv-cache-mib" => c.kv_cache_mib = num(&v),
+            "--drain-streams" => c.drain_streams = num(&v),
+            "--out" => out = Some(PathBuf::from(v)),
+            "--log" => c.log = v.into(),
             _ => fail(&format!("unknown argument `{a}`; {usage}")),
         }
     }
@@ -65,6 +63,5 @@ fn main() {
 }
 
 fn fail(msg: &str) -> ! {
-    eprintln!("serve_soak: {msg}");
-    std::process::exit(2)
+    soak::exit_usage("serve_soak", msg)
 }

@@ -49,6 +49,29 @@ use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
+/// The command line of the harness examples (`serve_soak`, `scale_out`): `--flag value` pairs
+/// in order. A flag without a value exits with status 2 and `usage`.
+pub fn flag_pairs(prog: &str, usage: &str) -> Vec<(String, String)> {
+    let mut args = std::env::args().skip(1);
+    let mut pairs = Vec::new();
+    while let Some(flag) = args.next() {
+        let Some(value) = args.next() else { exit_usage(prog, &format!("{flag} needs a value; {usage}")) };
+        pairs.push((flag, value));
+    }
+    pairs
+}
+
+/// `value` of `flag` as a count, or exit with status 2 naming both.
+pub fn flag_num(prog: &str, flag: &str, value: &str) -> usize {
+    value.parse().unwrap_or_else(|_| exit_usage(prog, &format!("{flag}: `{value}` is not a number")))
+}
+
+/// Prints `prog: msg` and exits with status 2 (a usage error of a harness example).
+pub fn exit_usage(prog: &str, msg: &str) -> ! {
+    eprintln!("{prog}: {msg}");
+    std::process::exit(2)
+}
+
 /// Settings of one soak run.
 #[derive(Debug, Clone)]
 pub struct Config {
