@@ -107,12 +107,13 @@ fn tojson_is_python_json_dumps() {
         .expect("compile");
     let extra = serde_json::json!({"tools": [{"name": "get_weather", "parameters": {"city": "Zürich <x>", "days": 3, "scale": 1.5, "ok": true, "none": null}}]});
     let out = t.render_with(&msgs(&[("user", "Hi \"there\"")]), false, "", "", &extra).expect("render");
-    // Keys of `extra` come from serde_json (sorted); message fields keep their order.
+    // Keys keep the order of the JSON they came from, as Python's json.loads + json.dumps
+    // (transformers' `tojson`, `sort_keys=False`) keep it; message fields keep theirs.
     assert_eq!(
         out,
-        "[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Zürich <x>\", \"days\": 3, \"none\": null, \"ok\": true, \"scale\": 1.5}}]\
+        "[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Zürich <x>\", \"days\": 3, \"scale\": 1.5, \"ok\": true, \"none\": null}}]\
          |[{\"role\": \"user\", \"content\": \"Hi \\\"there\\\"\"}]\
-         |{\n  \"name\": \"get_weather\",\n  \"parameters\": {\n    \"city\": \"Zürich <x>\",\n    \"days\": 3,\n    \"none\": null,\n    \"ok\": true,\n    \"scale\": 1.5\n  }\n}"
+         |{\n  \"name\": \"get_weather\",\n  \"parameters\": {\n    \"city\": \"Zürich <x>\",\n    \"days\": 3,\n    \"scale\": 1.5,\n    \"ok\": true,\n    \"none\": null\n  }\n}"
     );
     let t = ChatTemplate::new("{{ 'é\n' | tojson(ensure_ascii=true) }}").expect("compile");
     assert_eq!(t.render(&[], false, "", "").expect("render"), "\"\\u00e9\\n\"");
