@@ -88,9 +88,13 @@ impl ChatTemplate {
     /// [`Error::ChatTemplate`] with the syntax error and its line.
     pub fn new(source: impl Into<String>) -> Result<Self> {
         let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_keep_trailing_newline(false);
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .keep_trailing_newline(false)
+            .build()
+            .map_err(|e| template_error("syntax configuration", &e))?;
+        env.set_syntax(syntax);
         env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
@@ -130,7 +134,7 @@ impl ChatTemplate {
         extra: &serde_json::Value,
     ) -> Result<String> {
         let mut ctx: Vec<(String, Value)> = vec![
-            ("messages".into(), Value::from_serialize(messages)),
+            ("messages".into(), Value::from(minijinja::value::Serde(messages))),
             ("add_generation_prompt".into(), Value::from(add_generation_prompt)),
             ("bos_token".into(), Value::from(bos_token)),
             ("eos_token".into(), Value::from(eos_token)),
@@ -140,14 +144,14 @@ impl ChatTemplate {
             serde_json::Value::Object(map) => {
                 for (k, v) in map {
                     ctx.retain(|(name, _)| name != k);
-                    ctx.push((k.clone(), Value::from_serialize(v)));
+                    ctx.push((k.clone(), Value::from(minijinja::value::Serde(v))));
                 }
             }
             other => {
                 return Err(Error::ChatTemplate(format!("extra variables must be a JSON object, got {other}")));
             }
         }
-        let ctx: Value = ctx.into_iter().collect();
+        let ctx = Value::from_pairs(ctx);
         let tmpl = self.env.get_template(NAME).map_err(|e| template_error("render error", &e))?;
         tmpl.render(ctx).map_err(|e| template_error("render error", &e))
     }
@@ -239,6 +243,9 @@ pub fn strftime_utc(format: &str, unix_secs: u64) -> String {
     out
 }
 
+/// Widest `tojson(indent=...)` accepted (real templates use 2 or 4).
+const MAX_TOJSON_INDENT: usize = 64;
+
 /// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=None,
 /// separators=None, sort_keys=False)` with those keyword arguments accepted.
 fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
@@ -251,7 +258,14 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
         Some(v) => match (v.as_i64(), v.as_str()) {
-            (Some(n), _) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
+            (Some(n), _) => {
+                // Python accepts any width; a hostile template must not allocate without bound.
+                let n = usize::try_from(n).unwrap_or(0);
+                if n > MAX_TOJSON_INDENT {
+                    return Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: indent {n} is over {MAX_TOJSON_INDENT}")));
+                }
+                Some(" ".repeat(n))
+            }
             (None, Some(s)) => Some(s.to_owned()),
             _ => {
                 return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an int or str"));

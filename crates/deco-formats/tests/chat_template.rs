@@ -179,6 +179,20 @@ fn hostile_templates_stop_with_an_error() {
         assert!(msg.contains(needle), "{src}: {msg}");
         assert!(start.elapsed() < std::time::Duration::from_secs(5), "{src}: took {:?}", start.elapsed());
     }
+    // A huge tojson indent is refused instead of allocated.
+    let t = ChatTemplate::new("{{ messages | tojson(indent=100000000000) }}").expect("compiles");
+    let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("huge indent");
+    assert!(err.to_string().contains("indent"), "{err}");
+}
+
+/// Fuzzing finding (chat_template, 2026-12-01): `{{92222*[]*22**2-}}` took 2.6 s in one
+/// instruction under minijinja 2.24, which repeated an empty sequence by iterating it `n` times
+/// (44.6 M empty iterations here; with these factors it would never end). minijinja 3.1 returns
+/// an empty list at once; the output must be `[]`.
+#[test]
+fn repeating_an_empty_sequence_is_immediate() {
+    let t = ChatTemplate::new("{{ 1000000000 * [] * 1000000000 }}|{{92222*[]*22**2-}}").expect("compiles");
+    assert_eq!(t.render(&msgs(&[("user", "Hi")]), true, "", "").expect("render"), "[]|[]");
 }
 
 /// The render budget does not bind real use: 20,000 messages through the SmolLM2 and Qwen2
