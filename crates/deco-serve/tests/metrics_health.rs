@@ -13,11 +13,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
+
+use common::{TestServer, http};
 
 use burn::tensor::Device;
 use deco_formats::checkpoint::Checkpoint;
@@ -28,20 +32,6 @@ use deco_serve::{EngineConfig, Readiness, SchedulerConfig, ServerState};
 use serde_json::{Value, json};
 
 const BLOCK: usize = 16;
-
-/// One HTTP/1.1 request on a new connection (`Connection: close`); returns the status and the
-/// raw body (chunked framing left in place for streams).
-fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(120))).expect("timeout");
-    let body = body.map(|b| b.to_string()).unwrap_or_default();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: deco\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).expect("send");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("not HTTP: {out:?}"));
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
-}
 
 fn json_of(body: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
@@ -60,14 +50,9 @@ fn series(text: &str) -> HashMap<String, f64> {
 
 #[test]
 fn lifecycle_cached_tokens_and_vllm_metrics() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
-    let addr = listener.local_addr().expect("addr");
     let gate = Readiness::loading();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = rt.spawn(deco_serve::serve_with(listener, gate.clone(), async {
-        let _ = stop_rx.await;
-    }));
+    let server = TestServer::start(gate.clone());
+    let addr = server.addr;
 
     // Loading: everything 503.
     assert_eq!(http(addr, "GET", "/health", None).0, 503);
@@ -179,7 +164,7 @@ fn lifecycle_cached_tokens_and_vllm_metrics() {
         assert!(wait.elapsed() < Duration::from_secs(120), "the stream did not start");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let _ = stop_tx.send(());
+    let stopping = server.signal();
     std::thread::sleep(Duration::from_millis(200));
     assert!(gate.pending_requests() > 0, "the stream finished too early for the drain checks");
     assert_eq!(http(addr, "GET", "/health", None).0, 503, "/health while draining");
@@ -187,8 +172,7 @@ fn lifecycle_cached_tokens_and_vllm_metrics() {
     assert_eq!(st, 503, "new request while draining: {body}");
     let out = long.join().expect("stream thread");
     assert!(out.contains("data: [DONE]") && out.contains("\"finish_reason\":\"length\""), "the drained stream did not finish: {out}");
-    rt.block_on(server).expect("server task").expect("server");
+    stopping.join();
     drop(gate);
-    drop(rt);
     join.join().expect("engine thread");
 }

@@ -13,10 +13,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+mod common;
+
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+
+use common::{TestServer, http};
 
 use burn::tensor::Device;
 use deco_formats::chat_template::ChatTemplate;
@@ -24,18 +26,11 @@ use deco_formats::checkpoint::Checkpoint;
 use deco_formats::gguf::GgufFile;
 use deco_formats::tokenizer::Tokenizer;
 use deco_model::Llama;
-use deco_serve::{EngineConfig, SchedulerConfig, ServerState};
+use deco_serve::{EngineConfig, Readiness, SchedulerConfig, ServerState};
 use serde_json::{Value, json};
 
 fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(300))).expect("timeout");
-    let body = body.to_string();
-    write!(s, "POST {path} HTTP/1.1\r\nHost: deco\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).expect("send");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("not HTTP: {out:?}"));
-    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    http(addr, "POST", path, Some(body))
 }
 
 fn ok_json(addr: SocketAddr, path: &str, body: &Value) -> Value {
@@ -62,10 +57,7 @@ fn sse_contents(raw: &str) -> String {
 }
 
 fn metric(addr: SocketAddr, name: &str) -> f64 {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: deco\r\nConnection: close\r\n\r\n").expect("send");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
+    let (_, out) = http(addr, "GET", "/metrics", None);
     out.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or_else(|| panic!("no {name}"))
 }
 
@@ -80,13 +72,8 @@ fn structured_output_always_parses_and_validates() {
     let (engine, join) = deco_serve::spawn_engine(model, tokenizer.clone(), config).expect("engine");
     let state = Arc::new(ServerState::new(engine, tokenizer, template, "smollm2".into()));
     assert!(state.grammars.is_some(), "the structured-output compiler must build for SmolLM2");
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = rt.spawn(deco_serve::serve(listener, state, async {
-        let _ = stop_rx.await;
-    }));
+    let server = TestServer::start(Readiness::ready(state));
+    let addr = server.addr;
     let user = |text: &str| json!([{"role": "user", "content": text}]);
 
     // json_object: greedy, sampled with n = 4, streamed.
@@ -171,8 +158,6 @@ fn structured_output_always_parses_and_validates() {
     assert!(masks > 50.0, "{masks} masks");
     println!("structured output: {masks} masks, mean {:.1} us per mask (SmolLM2 vocabulary 49152)", ns / masks / 1e3);
 
-    let _ = stop_tx.send(());
-    rt.block_on(server).expect("server task").expect("server");
-    drop(rt);
+    server.signal().join();
     join.join().expect("engine thread");
 }
