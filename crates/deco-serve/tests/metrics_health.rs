@@ -16,8 +16,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -150,12 +148,9 @@ fn lifecycle_cached_tokens_and_vllm_metrics() {
 
     // Drain: a long stream in flight, then the shutdown signal.
     let long = std::thread::spawn(move || {
-        let mut s = TcpStream::connect(addr).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(300))).expect("timeout");
-        let body = json!({"prompt": "Once upon a time", "max_tokens": 160, "min_new_tokens": 160, "stream": true, "temperature": 0}).to_string();
-        write!(s, "POST /v1/completions HTTP/1.1\r\nHost: deco\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).expect("send");
-        let mut out = String::new();
-        s.read_to_string(&mut out).expect("read");
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 160, "min_new_tokens": 160, "stream": true, "temperature": 0});
+        let (st, out) = http(addr, "POST", "/v1/completions", Some(&body));
+        assert_eq!(st, 200, "{out}");
         out
     });
     // Wait until the stream has produced tokens.

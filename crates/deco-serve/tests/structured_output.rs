@@ -39,8 +39,9 @@ fn ok_json(addr: SocketAddr, path: &str, body: &Value) -> Value {
     serde_json::from_str(&b).unwrap_or_else(|e| panic!("not JSON ({e}): {b}"))
 }
 
-/// The `data:` payloads of an SSE body whose chunked framing was left in place: the JSON
-/// objects are found by their `{"id"` prefix up to the end of the line.
+/// The concatenated `delta.content` of the `data:` events of an SSE body whose chunked
+/// framing was left in place (each event is one `data: {...}` line; chunk-size lines are
+/// skipped).
 fn sse_contents(raw: &str) -> String {
     let mut text = String::new();
     for line in raw.lines() {
