@@ -57,3 +57,9 @@ pub fn argmax(v: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (`cargo xtask fetch --what qwen-0.5b`; the test
+/// tier fetches it): the tool-calling model.
+pub fn qwen05b_gguf() -> PathBuf {
+    asset("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+}

@@ -10,8 +10,9 @@ Checks, each against an independent value:
 - n, logprobs (greedy token is the top alternative; probabilities sum <= 1), stop strings;
 - a seeded sampled request gives the same text alone and inside a batch of 16 concurrent ones;
 - HTTP 400 with an OpenAI error body for unknown model, bad JSON, out-of-range params, prompt
-  over the context, a json_schema without a schema, and `tools` / `tool_choice` (not implemented:
-  refused, never ignored);
+  over the context, a json_schema without a schema, `tools` for SmolLM2 (its chat template
+  renders no tools: refused, never ignored; tool calls are tested on Qwen2.5 in
+  tool_client_test.py) and `tool_choice` without tools;
 - response_format json_schema (strict) through the client: the content parses and validates
   against the schema (checked in this script), streamed equals non-streamed;
 - usage.prompt_tokens_details.cached_tokens: 0 for a new chat prompt, the prefix cache's full
@@ -193,11 +194,11 @@ def main():
             raise AssertionError(f"{what}: expected HTTP 400")
         except openai.BadRequestError as e:
             check(e.status_code == 400 and isinstance(e.body, dict) and "message" in e.body, f"{what}: body {e.body}")
-    # Fields deco cannot honour yet are refused, never ignored.
+    # What deco cannot honour for this model is refused, never ignored.
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
     for kwargs, param, needle in [
-        (dict(tools=[tool]), "tools", "not supported"),
-        (dict(tool_choice="required"), "tool_choice", "not supported"),
+        (dict(tools=[tool]), "tools", "does not render tools"),
+        (dict(tool_choice="required"), "tool_choice", "only allowed when tools are given"),
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "json_schema.schema"),
     ]:
         try:

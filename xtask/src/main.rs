@@ -550,7 +550,8 @@ fn test(cache: &CacheArgs, tier: Tier, test_args: &[String]) -> Result<()> {
     fetch::fetch(&fetch::Options {
         cache: dir.clone(),
         no_mirror: cache.no_mirror,
-        what: vec![What::All],
+        // Qwen2.5-Coder-0.5B for the tool-call tests (crates/deco-serve/tests/tool_calls.rs).
+        what: vec![What::All, What::Qwen05b],
     })?;
     let with_env = |c: &mut std::process::Command| {
         c.env("DECO_CACHE", &dir);

@@ -27,25 +27,39 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
-/// One chat message (`{"role": ..., "content": ...}` in transformers).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One chat message (`{"role": ..., "content": ...}` in transformers), with the tool-calling
+/// fields of OpenAI's messages. The optional fields are left out of the template's `message`
+/// when `None`, so `message.tool_calls is defined` is false for them, as in transformers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant message's tool calls, each `{"id", "type": "function", "function": {"name",
+    /// "arguments"}}` with `arguments` a JSON object (transformers' form; an OpenAI request's
+    /// arguments string is parsed first, as vLLM does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message's answer to this call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The name of the author (or of the tool, for a `tool` message).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     /// A message with the given role and content.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None, name: None }
     }
 }
 
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -100,8 +114,14 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source.into()).map_err(|e| template_error("syntax error", &e))?;
-        Ok(Self { env })
+        let source = source.into();
+        env.add_template_owned(NAME, source.clone()).map_err(|e| template_error("syntax error", &e))?;
+        Ok(Self { env, source })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders a conversation like transformers' `apply_chat_template(messages, tokenize=False,

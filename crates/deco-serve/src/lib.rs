@@ -11,6 +11,8 @@
 //! - [`server`] and [`openai`]: the OpenAI-compatible HTTP API (axum).
 //! - [`structured`]: structured output (JSON schema, Lark grammar, regex) as token masks
 //!   (llguidance).
+//! - [`tools`]: tool calls (`tools`, `tool_choice`): rendering, output parsing, grammars for
+//!   `required` and named functions.
 
 pub mod block_pool;
 pub mod engine;
@@ -20,6 +22,7 @@ pub mod paged_cache;
 pub mod scheduler;
 pub mod server;
 pub mod structured;
+pub mod tools;
 
 pub use block_pool::{BlockId, BlockPool, PrefixKey};
 pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Histogram, LatencyHistograms, Metrics, TokenInfo, spawn_engine, spawn_engine_with};

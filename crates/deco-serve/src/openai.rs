@@ -92,6 +92,15 @@ pub struct RequestMessage {
     /// Content (null allowed for assistant messages).
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant message's tool calls (`{"id", "type", "function": {"name", "arguments"}}`).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// The call a `tool` message answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// Author name (the tool's name for a `tool` message).
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// The OpenAI-specific fields of `/v1/chat/completions`.

@@ -51,6 +51,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::engine::{EngineEvent, EngineHandle, GenerateRequest, TokenInfo};
 use crate::openai::{ChatRequest, CompletionRequest, Content, Prompt, error_body, sampling_params};
 use crate::structured::{Constraint, Grammars, OutputConstraint};
+use crate::tools::{self, ToolCallParser, ToolDelta, ToolError, ToolFormat, ToolRequest};
 use crate::{Error, Result};
 
 /// Shared state of the handlers.
@@ -371,8 +372,12 @@ pub struct PreparedRequest {
     pub include_usage: bool,
     /// Report logprobs.
     pub want_logprobs: bool,
-    /// The compiled structured-output constraint, if the request asked for one.
+    /// The compiled structured-output constraint, if the request asked for one (a
+    /// `tool_choice` of `required` or a named function compiles into one too).
     pub constraint: Option<Constraint>,
+    /// How the output is read back into tool calls (chat requests with tools, unless
+    /// `tool_choice` is `none`).
+    pub tool_output: Option<tools::ToolOutput>,
     default_max: DefaultMax,
 }
 
@@ -403,20 +408,26 @@ fn parse_body(body: &[u8]) -> ApiResult<Value> {
     Ok(v)
 }
 
-/// Refuses the OpenAI fields deco cannot honour yet instead of ignoring them: a non-empty
-/// `tools` list, a `tool_choice` other than `"none"` (tool calls are not implemented).
-fn refuse_unsupported(v: &Value) -> ApiResult<()> {
+/// Refuses tool fields on `/v1/completions` instead of ignoring them: tool calls are a chat
+/// feature (OpenAI's completions API has none).
+fn refuse_completion_tools(v: &Value) -> ApiResult<()> {
     match v.get("tools") {
         None | Some(Value::Null) => {}
         Some(Value::Array(a)) if a.is_empty() => {}
-        Some(_) => return Err(ApiError::bad("tools are not supported: this server has no tool calling yet").param("tools")),
+        Some(_) => return Err(ApiError::bad("tools are only supported on /v1/chat/completions").param("tools")),
     }
     match v.get("tool_choice") {
         None | Some(Value::Null) => {}
         Some(Value::String(c)) if c == "none" => {}
-        Some(c) => return Err(ApiError::bad(format!("tool_choice {c} is not supported: this server has no tool calling yet")).param("tool_choice")),
+        Some(c) => return Err(ApiError::bad(format!("tool_choice {c} is only supported on /v1/chat/completions")).param("tool_choice")),
     }
     Ok(())
+}
+
+impl From<ToolError> for ApiError {
+    fn from(e: ToolError) -> Self {
+        Self::bad(e.message).param(e.param)
+    }
 }
 
 /// The output constraint a request asks for: OpenAI's `response_format` (`text`,
@@ -497,6 +508,7 @@ struct Submitted {
     rxs: Vec<UnboundedReceiver<EngineEvent>>,
     prompt_tokens: usize,
     n: usize,
+    tool_output: Option<tools::ToolOutput>,
 }
 
 /// Token counts of a finished response.
@@ -511,6 +523,7 @@ struct Usage {
 fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
     let mut rxs = Vec::with_capacity(prep.prompts.len());
     let mut prompt_tokens = 0;
+    let tool_output = prep.tool_output.clone();
     let max_new: Vec<usize> = prep.prompts.iter().map(|p| prep.max_new_tokens_for(p.len())).collect();
     for (prompt, max) in prep.prompts.into_iter().zip(max_new) {
         let mut params = prep.params.clone();
@@ -520,7 +533,7 @@ fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
         let (_, rx) = st.engine.submit(GenerateRequest { prompt, params, n: prep.n, constraint: prep.constraint.clone() })?;
         rxs.push(rx);
     }
-    Ok(Submitted { rxs, prompt_tokens, n: prep.n })
+    Ok(Submitted { rxs, prompt_tokens, n: prep.n, tool_output })
 }
 
 fn token_text(tok: &Tokenizer, id: u32) -> String {
@@ -601,6 +614,33 @@ fn usage(u: Usage) -> Value {
     })
 }
 
+/// `finish_reason` of a chat choice read for tool calls: `"tool_calls"` when it stopped (EOS,
+/// stop string or the grammar's end) with at least one call.
+fn chat_finish_reason(f: FinishReason, parser: &ToolCallParser) -> &'static str {
+    if parser.calls() > 0 && f != FinishReason::Length { "tool_calls" } else { f.as_openai_str() }
+}
+
+/// The `delta` of a streamed chat chunk from what the tool-call parser handed on: `content`
+/// and `tool_calls` entries; `None` when there is nothing.
+fn tool_delta(deltas: &[ToolDelta], id_prefix: &str) -> Option<Value> {
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    for d in deltas {
+        match d {
+            ToolDelta::Content(t) => content.push_str(t),
+            ToolDelta::Call { index, call } => calls.push(tools::call_json(*index, call, id_prefix, true)),
+        }
+    }
+    let mut delta = serde_json::Map::new();
+    if !content.is_empty() {
+        delta.insert("content".into(), Value::String(content));
+    }
+    if !calls.is_empty() {
+        delta.insert("tool_calls".into(), Value::Array(calls));
+    }
+    (!delta.is_empty()).then_some(Value::Object(delta))
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Completion,
@@ -611,6 +651,8 @@ enum Kind {
 /// then `[DONE]`. Dropping the stream (client gone) drops the receivers and so cancels.
 fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, include_usage: bool, want_logprobs: bool) -> Sse<BoxStream<'static, std::result::Result<Event, std::convert::Infallible>>> {
     let n = sub.n;
+    let tool_output = sub.tool_output.clone().filter(|_| kind == Kind::Chat);
+    let id_prefix = id.trim_start_matches("chatcmpl-").to_string();
     let created = now();
     let model = st.model_name.clone();
     let prompt_tokens = sub.prompt_tokens;
@@ -645,12 +687,15 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
         queue: std::collections::VecDeque<Event>,
         completion: HashMap<usize, usize>,
         cached: HashMap<usize, usize>,
+        tool_output: Option<tools::ToolOutput>,
+        parsers: HashMap<usize, ToolCallParser>,
         done: bool,
     }
-    let state = S { merged, chunk, queue: first.into(), completion: HashMap::new(), cached: HashMap::new(), done: false };
+    let state = S { merged, chunk, queue: first.into(), completion: HashMap::new(), cached: HashMap::new(), tool_output, parsers: HashMap::new(), done: false };
     let tok = st.tokenizer.clone();
     let body = stream::unfold(state, move |mut s| {
         let tok = tok.clone();
+        let id_prefix = id_prefix.clone();
         async move {
             loop {
                 if let Some(e) = s.queue.pop_front() {
@@ -661,10 +706,21 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
                 }
                 match s.merged.next().await {
                     Some((pi, EngineEvent::Delta { index, text, tokens })) => {
+                        let idx = pi * n + index;
+                        if let Some(t) = &s.tool_output {
+                            let deltas = s.parsers.entry(idx).or_insert_with(|| t.parser()).push(&text);
+                            let delta = tool_delta(&deltas, &format!("{id_prefix}_{idx}"));
+                            if delta.is_none() && !want_logprobs {
+                                continue;
+                            }
+                            let choice = json!({"index": idx, "delta": delta.unwrap_or_else(|| json!({})),
+                                "logprobs": if want_logprobs { chat_logprobs(&tok, &tokens) } else { Value::Null }, "finish_reason": null});
+                            s.queue.push_back((s.chunk)(json!([choice]), None));
+                            continue;
+                        }
                         if text.is_empty() && !want_logprobs {
                             continue;
                         }
-                        let idx = pi * n + index;
                         let choice = match kind {
                             Kind::Chat => json!({"index": idx, "delta": {"content": text},
                                 "logprobs": if want_logprobs { chat_logprobs(&tok, &tokens) } else { Value::Null }, "finish_reason": null}),
@@ -677,8 +733,17 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
                         let idx = pi * n + index;
                         s.completion.insert(idx, completion_tokens);
                         s.cached.insert(pi, cached_prompt_tokens);
+                        let mut finish = reason.as_openai_str();
+                        if let Some(t) = &s.tool_output {
+                            let parser = s.parsers.entry(idx).or_insert_with(|| t.parser());
+                            let deltas = parser.finish();
+                            finish = chat_finish_reason(reason, parser);
+                            if let Some(delta) = tool_delta(&deltas, &format!("{id_prefix}_{idx}")) {
+                                s.queue.push_back((s.chunk)(json!([{"index": idx, "delta": delta, "logprobs": null, "finish_reason": null}]), None));
+                            }
+                        }
                         let choice = match kind {
-                            Kind::Chat => json!({"index": idx, "delta": {}, "logprobs": null, "finish_reason": reason.as_openai_str()}),
+                            Kind::Chat => json!({"index": idx, "delta": {}, "logprobs": null, "finish_reason": finish}),
                             Kind::Completion => json!({"index": idx, "text": "", "logprobs": null, "finish_reason": reason.as_openai_str()}),
                         };
                         s.queue.push_back((s.chunk)(json!([choice]), None));
@@ -709,13 +774,13 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
 /// A 400 [`ApiError`] naming the problem: not JSON or not an object, a field of the wrong type,
 /// another model, an unsupported field (`echo`, `suffix`, `best_of != n`), `max_tokens` 0, an
 /// invalid sampling parameter, an empty prompt, token ids beyond the vocabulary, `tools` /
-/// `tool_choice` (not implemented), an output constraint (`response_format`, `guided_json`,
+/// `tool_choice` (a chat feature), an output constraint (`response_format`, `guided_json`,
 /// `guided_regex`, `guided_grammar`) that is malformed or does not compile.
 pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result<PreparedRequest, ApiError> {
     let v = parse_body(body)?;
     let req: CompletionRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid completion request: {e}")))?;
     check_model(st, req.model.as_deref())?;
-    refuse_unsupported(&v)?;
+    refuse_completion_tools(&v)?;
     let constraint = compile_constraint(st, &v)?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
     if req.echo == Some(true) {
@@ -759,6 +824,7 @@ pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::
         include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         want_logprobs: req.logprobs.is_some(),
         constraint,
+        tool_output: None,
         default_max: DefaultMax::Fixed(16),
     })
 }
@@ -808,18 +874,37 @@ fn uniq() -> String {
 /// A 400 [`ApiError`] naming the problem: not JSON or not an object, a field of the wrong type,
 /// another model, no chat template, no messages, a non-text content part, `max_tokens` 0,
 /// `top_logprobs` without `logprobs`, an invalid sampling parameter, a template that fails to
-/// render (or exceeds its render budget), `tools` / `tool_choice` (not implemented), an output
-/// constraint that is malformed or does not compile.
+/// render (or exceeds its render budget), an output constraint that is malformed or does not
+/// compile; for tools (module [`crate::tools`]): a malformed `tools`, `tool_choice` or
+/// `parallel_tool_calls`, an assistant message's `tool_calls` whose arguments are not a JSON
+/// object, tools for a template that renders none, `required` / a named function together with
+/// another output constraint, parameter schemas llguidance cannot compile.
 pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result<PreparedRequest, ApiError> {
     let v = parse_body(body)?;
     let req: ChatRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid chat request: {e}")))?;
     check_model(st, req.model.as_deref())?;
-    refuse_unsupported(&v)?;
-    let constraint = compile_constraint(st, &v)?;
+    let tool_req = ToolRequest::parse(&v)?.filter(ToolRequest::active);
+    let mut constraint = compile_constraint(st, &v)?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
     let Some(template) = st.template else {
         return Err(ApiError::bad("this model has no chat template; use /v1/completions"));
     };
+    let mut tool_output = None;
+    if let Some(t) = &tool_req {
+        let Some(format) = ToolFormat::detect(template.source()) else {
+            return Err(ApiError::bad("this model's chat template does not render tools, so deco cannot prompt it to call them; send tools only to a model whose template has tool calls (e.g. Qwen2.5)").param("tools"));
+        };
+        if let Some(grammar) = t.grammar(format) {
+            if constraint.is_some() {
+                return Err(ApiError::bad("tool_choice required or a named function constrains the output already; it cannot be combined with response_format or guided_*").param("tool_choice"));
+            }
+            let Some(g) = st.grammars else {
+                return Err(ApiError::bad("constrained tool calls are not available for this model's tokenizer").param("tool_choice"));
+            };
+            constraint = Some(g.compile(&OutputConstraint::Lark(grammar)).map_err(|e| ApiError::bad(format!("the tools' parameter schemas: {e}")).param("tools"))?);
+        }
+        tool_output = Some(tools::ToolOutput { format, parallel: t.parallel, names: t.names() });
+    }
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages must not be empty").param("messages"));
     }
@@ -839,7 +924,11 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
                 s
             }
         };
-        messages.push(ChatMessage::new(m.role.clone(), content));
+        let mut msg = ChatMessage::new(m.role.clone(), content);
+        msg.tool_calls = m.tool_calls.as_deref().map(tools::message_tool_calls).transpose()?;
+        msg.tool_call_id.clone_from(&m.tool_call_id);
+        msg.name.clone_from(&m.name);
+        messages.push(msg);
     }
     let n = req.n.unwrap_or(1);
     if let Some(m) = req.max_completion_tokens.or(req.max_tokens) {
@@ -856,7 +945,10 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
     params.validate().map_err(|e| ApiError::bad(e.to_string()))?;
     let bos = st.tokenizer.bos_token().unwrap_or_default();
     let eos = st.tokenizer.eos_token().unwrap_or_default();
-    let text = template.render(&messages, req.add_generation_prompt.unwrap_or(true), &bos, &eos).map_err(|e| ApiError::bad(e.to_string()))?;
+    let extra = tool_req.as_ref().map_or(Value::Null, |t| json!({"tools": t.tools}));
+    let text = template
+        .render_with(&messages, req.add_generation_prompt.unwrap_or(true), &bos, &eos, &extra)
+        .map_err(|e| ApiError::bad(e.to_string()))?;
     let prompt = st.tokenizer.encode_with(&text, false, true).map_err(Error::from)?;
     Ok(PreparedRequest {
         prompts: vec![prompt],
@@ -866,6 +958,7 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
         include_usage: req.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         want_logprobs,
         constraint,
+        tool_output,
         default_max: DefaultMax::RestOf(st.max_sequence_tokens),
     })
 }
@@ -878,7 +971,9 @@ async fn chat_completions(State(gate): State<Arc<Readiness>>, body: Body) -> Api
     let prep = prepare_chat(&st.request_context(), &body)?;
     let (stream, include_usage, want_logprobs) = (prep.stream, prep.include_usage, prep.want_logprobs);
     let sub = submit_all(&st, prep)?;
-    let id = format!("chatcmpl-{}", uniq());
+    let tool_output = sub.tool_output.clone();
+    let uid = uniq();
+    let id = format!("chatcmpl-{uid}");
     if stream {
         return Ok(sse_stream(st.clone(), sub, Kind::Chat, id, include_usage, want_logprobs).into_response());
     }
@@ -887,11 +982,20 @@ async fn chat_completions(State(gate): State<Arc<Readiness>>, body: Body) -> Api
         .iter()
         .enumerate()
         .map(|(i, a)| {
+            let (message, finish) = match &tool_output {
+                None => (json!({"role": "assistant", "content": a.text}), a.finish.map(|f| f.as_openai_str())),
+                Some(t) => {
+                    let mut parser = t.parser();
+                    let mut deltas = parser.push(&a.text);
+                    deltas.extend(parser.finish());
+                    (tools::message(&deltas, &format!("{uid}_{i}")), a.finish.map(|f| chat_finish_reason(f, &parser)))
+                }
+            };
             json!({
                 "index": i,
-                "message": {"role": "assistant", "content": a.text},
+                "message": message,
                 "logprobs": if want_logprobs { chat_logprobs(&st.tokenizer, &a.tokens) } else { Value::Null },
-                "finish_reason": a.finish.map(|f| f.as_openai_str()),
+                "finish_reason": finish,
             })
         })
         .collect();
