@@ -162,9 +162,26 @@ fn gguf_exports_hold_ggml_blocks_and_run() {
             }
             assert_eq!(got, deq, "{name}: dequantized");
         }
-        // Non-linear tensors are copied byte for byte.
+        // llama-quantize --pure's layout: the token embedding is stored as `ty` too (the
+        // source's bytes when it is already `ty`, else ggml's quantization of its values), the
+        // norms are copied, tensors are in llama.cpp's order, and the quantization version and
+        // file type are the last keys.
         let src_g = ckpt().gguf().unwrap();
-        assert_eq!(g.tensor_bytes("token_embd.weight").unwrap().1, src_g.tensor_bytes("token_embd.weight").unwrap().1);
+        let (src_info, src_bytes) = src_g.tensor_bytes("token_embd.weight").unwrap();
+        let (info, bytes) = g.tensor_bytes("token_embd.weight").unwrap();
+        assert_eq!(info.ggml_type, ty);
+        if src_info.ggml_type == ty {
+            assert_eq!(bytes, src_bytes);
+        } else {
+            let values = src_g.dequantize("token_embd.weight").unwrap().1;
+            let want = match ty { GgmlType::Q8_0 => ggml::quantize_q8_0(&values), _ => ggml::quantize_q4_0(&values) }.unwrap();
+            assert_eq!(bytes, &want[..], "token_embd.weight");
+        }
+        assert_eq!(g.tensor_bytes("output_norm.weight").unwrap().1, src_g.tensor_bytes("output_norm.weight").unwrap().1);
+        let names: Vec<&str> = g.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(&names[..4], &["output_norm.weight", "token_embd.weight", "blk.0.attn_k.weight", "blk.0.attn_norm.weight"]);
+        assert_eq!(names.iter().position(|n| n.starts_with("blk.10.")), Some(2 + 10 * 9), "blk.10 after blk.0-9 (numeric, not lexicographic)");
+        assert_eq!(&g.metadata_order[g.metadata_order.len() - 2..], &["general.quantization_version", "general.file_type"]);
         let p = ppl(&Llama::load(&Checkpoint::open(&path).unwrap(), &Device::flex(), Some(256)).unwrap());
         let mb = std::fs::metadata(&path).unwrap().len() as f64 / 1e6;
         eprintln!("GGUF {} ({mb:.1} MB): ppl {p:.4}", ty.name());

@@ -39,19 +39,13 @@ SDIST_ROOT = "llama_cpp_python-0.3.36/vendor/llama.cpp"
 # build
 
 
-def cmd_build(args: argparse.Namespace) -> None:
-    work = Path(args.work)
-    tool = work / "llama_tokenize"
-    source = HERE / "llama_tokenize.cpp"
-    stamp = work / "tool.source"
-    if tool.is_file() and stamp.is_file() and stamp.read_bytes() == source.read_bytes():
-        print(tool)
-        return
+def unpack_llama_cpp(sdist: str, work: Path) -> Path:
+    """Unpacks the sdist's vendored llama.cpp into `work/src` (once) and returns that path."""
     work.mkdir(parents=True, exist_ok=True)
     src = work / "src"
     if not (src / "CMakeLists.txt").is_file():
         tmp = Path(tempfile.mkdtemp(dir=work))
-        with tarfile.open(args.sdist, "r:gz") as tar:
+        with tarfile.open(sdist, "r:gz") as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(SDIST_ROOT + "/")
                        and not m.name.startswith((SDIST_ROOT + "/models/", SDIST_ROOT + "/tools/ui/"))
                        and m.name != SDIST_ROOT + "/.git"]  # a submodule link to a repository we lack
@@ -60,6 +54,18 @@ def cmd_build(args: argparse.Namespace) -> None:
             shutil.rmtree(src)
         os.replace(tmp / SDIST_ROOT, src)
         shutil.rmtree(tmp, ignore_errors=True)
+    return src
+
+
+def cmd_build(args: argparse.Namespace) -> None:
+    work = Path(args.work)
+    tool = work / "llama_tokenize"
+    source = HERE / "llama_tokenize.cpp"
+    stamp = work / "tool.source"
+    if tool.is_file() and stamp.is_file() and stamp.read_bytes() == source.read_bytes():
+        print(tool)
+        return
+    src = unpack_llama_cpp(args.sdist, work)
     bindir = Path(sys.executable).parent
     cmake, ninja = bindir / "cmake", bindir / "ninja"
     build = work / "build"

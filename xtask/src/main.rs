@@ -4,6 +4,8 @@
 //!   model, data, golden files and tokenizer tests; mirror (`../shared`) first, registry otherwise.
 //! * `demo`   — fetch the model and chat with it through the `deco` CLI.
 //! * `test`   — fetch, then run the workspace tests (and the wgpu tier).
+//! * `interop` — deco's exports read by transformers + gptqmodel / compressed-tensors and
+//!   compared with llama-quantize (its own venv; not part of `test`).
 //! * `bench generate` — deco vs llama.cpp prefill/decode throughput on the same GGUF.
 //! * `bench autodeco` — GSM pass@k of greedy / sampling / oracle static / AutoDeco into docs/autodeco.md.
 //! * `bench compress` — pruning results (perplexity, size, speed) into docs/compression.md.
@@ -15,6 +17,7 @@ mod compress;
 mod decoding;
 mod fetch;
 mod fuzz;
+mod interop;
 mod manifest;
 mod python;
 mod quant;
@@ -70,6 +73,16 @@ enum Cmd {
         /// Seconds to fuzz.
         #[arg(long, default_value_t = 60)]
         time: u64,
+    },
+    /// The interop tier: deco's GPTQ / AWQ / compressed-tensors exports loaded by transformers
+    /// + gptqmodel (perplexity within 0.02 %), GGUF Q8_0 byte-identical to `llama-quantize
+    /// --pure` (installs its own ~6 GB venv; not part of `test`).
+    Interop {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Use this deco binary instead of building deco-cli (release).
+        #[arg(long, value_name = "PATH")]
+        deco_bin: Option<PathBuf>,
     },
     /// Fetch the model if needed and run a chat generation with the deco CLI.
     Demo {
@@ -425,6 +438,11 @@ fn real_main() -> Result<()> {
             no_mirror: cache.no_mirror,
             target,
             time,
+        }),
+        Cmd::Interop { cache, deco_bin } => interop::run_interop(&interop::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            deco_bin,
         }),
         Cmd::Fetch { cache, what } => {
             fetch::fetch(&fetch::Options {

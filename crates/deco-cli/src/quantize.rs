@@ -52,13 +52,14 @@ pub enum FormatArg {
     Awq,
     /// compressed-tensors `pack-quantized` directory.
     CompressedTensors,
-    /// GGUF with Q8_0 linears (ggml's quantizer; needs a GGUF source).
+    /// GGUF Q8_0 as `llama-quantize --pure` writes it, byte for byte: linears, token embedding
+    /// and output head in Q8_0 (ggml's quantizer), norms copied (needs a GGUF source).
     #[value(name = "gguf-q8_0")]
     GgufQ8_0,
-    /// GGUF with Q4_0 linears.
+    /// GGUF Q4_0 as `llama-quantize --pure` writes it.
     #[value(name = "gguf-q4_0")]
     GgufQ4_0,
-    /// GGUF with Q4_1 linears.
+    /// GGUF Q4_1 as `llama-quantize --pure` writes it.
     #[value(name = "gguf-q4_1")]
     GgufQ4_1,
     /// GGUF with every quantized tensor of the GGUF source (linears, and token embedding /

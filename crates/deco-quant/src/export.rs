@@ -229,10 +229,40 @@ pub fn ggml_quantize_linear(cfg: &ModelConfig, hf_name: &str, w: &[f32], cols: u
     }
 }
 
-/// Writes a GGUF model whose decoder linears are the f32 weights of `tensor` quantized to `ty`
-/// with ggml's reference block quantizers; every other tensor (embeddings, norms) is copied
-/// byte for byte from `src`, and so is the metadata (tokenizer, hyper-parameters), with
-/// `general.file_type` set to `ty`'s. Atomic (written to a temporary file and renamed).
+/// llama.cpp's `GGML_QNT_VERSION`, written as `general.quantization_version`.
+pub const GGML_QNT_VERSION: u32 = 2;
+
+/// Whether `llama-quantize` quantizes a tensor of a Llama-family model
+/// (`tensor_allows_quantization` in llama.cpp's `src/llama-quant.cpp`, the rules that apply to
+/// Llama / Qwen2 tensors): at least 2 dimensions, a name ending in `weight`, not a norm.
+pub fn llama_quantizes(name: &str, dims: usize) -> bool {
+    dims >= 2 && name.ends_with("weight") && !name.contains("_norm.weight")
+}
+
+/// llama.cpp's tensor order in a quantized file (`weight_name_comparer` of
+/// `llama-model-loader.h`: by layer `blk.N.`, tensors outside the layers first, then by name).
+pub fn llama_tensor_order(a: &str, b: &str) -> std::cmp::Ordering {
+    let layer = |n: &str| -> i64 {
+        n.strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|d| d.parse().ok())
+            .unwrap_or(-1)
+    };
+    layer(a).cmp(&layer(b)).then_with(|| a.cmp(b))
+}
+
+/// Writes a GGUF model the way `llama-quantize --pure SRC OUT <ty>` does, byte for byte: every
+/// tensor llama.cpp quantizes ([`llama_quantizes`]: the decoder linears, the token embedding
+/// and the output head) stored as `ty`, the others (norms) copied; tensors in llama.cpp's
+/// order ([`llama_tensor_order`]); the metadata copied in order except
+/// `general.quantization_version` and `general.file_type`, which are moved to the end (set to
+/// [`GGML_QNT_VERSION`] and `ty`'s file type), as `gguf_set_val_u32` does, and the `split.*`
+/// keys, which are dropped. The decoder linears are the f32 weights of `tensor` (HF layout,
+/// e.g. GPTQ-processed) with their Q/K rows permuted back ([`ggml_quantize_linear`]); the other
+/// quantized tensors are the source's own values (dequantized when the source stores another
+/// type, copied when it stores `ty`, as llama-quantize). Blocks come from ggml's reference
+/// quantizers. Atomic (written to a temporary file and renamed). Checked against llama.cpp's
+/// `llama-quantize --pure` by `cargo xtask interop` (docs/formats.md).
 ///
 /// # Errors
 /// [`Error::InvalidParameter`] for a type other than Q8_0 / Q4_0 / Q4_1; missing tensors;
@@ -264,9 +294,25 @@ pub fn write_gguf_model(
         }
         progress(li);
     }
+    // The other tensors llama-quantize quantizes (token embedding, output head), in GGUF layout.
+    let mut others: HashMap<String, Vec<u8>> = HashMap::new();
+    for info in &src.tensors {
+        if hf_of.contains_key(&info.name) || !llama_quantizes(&info.name, info.shape().len()) || info.ggml_type == ty {
+            continue;
+        }
+        let (_, values) = src.dequantize(&info.name)?;
+        let bytes = match ty {
+            GgmlType::Q8_0 => ggml::quantize_q8_0(&values),
+            GgmlType::Q4_0 => ggml::quantize_q4_0(&values),
+            _ => ggml::quantize_q4_1(&values),
+        }
+        .map_err(|e| Error::Shape(format!("{}: {e}", info.name)))?;
+        others.insert(info.name.clone(), bytes);
+    }
     let mut to_write = Vec::with_capacity(src.tensors.len());
     for info in &src.tensors {
-        match hf_of.get(&info.name).and_then(|h| quantized.get(h)) {
+        let data = hf_of.get(&info.name).and_then(|h| quantized.get(h)).or_else(|| others.get(&info.name));
+        match data {
             Some(bytes) => to_write.push(TensorToWrite { name: info.name.clone(), shape: info.shape(), ggml_type: ty, data: bytes }),
             None => {
                 let (_, bytes) = src.tensor_bytes(&info.name)?;
@@ -274,23 +320,20 @@ pub fn write_gguf_model(
             }
         }
     }
-    let mut meta: Vec<(String, MetadataValue)> = Vec::with_capacity(src.metadata_order.len() + 1);
-    let mut has_ft = false;
+    to_write.sort_by(|a, b| llama_tensor_order(&a.name, &b.name));
+    let mut meta: Vec<(String, MetadataValue)> = Vec::with_capacity(src.metadata_order.len() + 2);
     for k in &src.metadata_order {
+        if k == "general.file_type" || k == "general.quantization_version" || k.starts_with("split.") {
+            continue;
+        }
         if let Some(v) = src.metadata.get(k) {
-            if k == "general.file_type" {
-                has_ft = true;
-                meta.push((k.clone(), MetadataValue::U32(ft)));
-            } else {
-                meta.push((k.clone(), v.clone()));
-            }
+            meta.push((k.clone(), v.clone()));
         }
     }
-    if !has_ft {
-        meta.push(("general.file_type".into(), MetadataValue::U32(ft)));
-    }
+    meta.push(("general.quantization_version".into(), MetadataValue::U32(GGML_QNT_VERSION)));
+    meta.push(("general.file_type".into(), MetadataValue::U32(ft)));
     write_gguf(out, &meta, &to_write)?;
-    Ok(ExportStats { bytes: dir_size(out), linears: quantized.len() })
+    Ok(ExportStats { bytes: dir_size(out), linears: quantized.len() + others.len() })
 }
 
 /// llama.cpp's `general.file_type` of a model whose tensors are all F32 (`LLAMA_FTYPE_ALL_F32`).

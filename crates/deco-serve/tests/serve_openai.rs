@@ -1,14 +1,18 @@
 //! End-to-end test of the OpenAI-compatible server with the official `openai` Python client.
 //!
-//! Starts the server in this process on a free loopback port (the same `deco_serve::serve` that
-//! `deco serve` runs), then runs `python3 tests/python/client_test.py` against it and asserts
-//! its exit status. Needs `python3` with `pip install "openai>=1.40" prometheus_client`; without them the test fails
-//! and says so. The script bounds itself (every request has a small `max_tokens`, the client has
-//! timeouts); this test kills it after 5 minutes.
+//! Starts the server in this process on a free loopback port (`tests/common`'s `TestServer`:
+//! the same `deco_serve::serve_with` that `deco serve` runs), then runs `python3
+//! tests/python/client_test.py` against it and asserts its exit status. Needs `python3` with
+//! `pip install "openai>=1.40" prometheus_client`; without them the test fails and says so. The
+//! script bounds itself (every request has a small `max_tokens`, the client has timeouts); this
+//! test kills it after 5 minutes.
 
-use std::process::Command;
+mod common;
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use common::TestServer;
 
 use burn::tensor::Device;
 use deco_formats::chat_template::ChatTemplate;
@@ -16,7 +20,7 @@ use deco_formats::checkpoint::Checkpoint;
 use deco_formats::gguf::GgufFile;
 use deco_formats::tokenizer::Tokenizer;
 use deco_model::Llama;
-use deco_serve::{EngineConfig, SchedulerConfig, ServerState};
+use deco_serve::{EngineConfig, Readiness, SchedulerConfig, ServerState};
 
 #[test]
 fn openai_python_client_against_server() {
@@ -36,40 +40,12 @@ fn openai_python_client_against_server() {
     let metrics = engine.metrics.clone();
     let state = Arc::new(ServerState::new(engine, tokenizer, template, "smollm2".into()));
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = rt.spawn(deco_serve::serve(listener, state, async {
-        let _ = stop_rx.await;
-    }));
-
-    let script = deco_tests::workspace_root().join("tests/python/client_test.py");
+    let server = TestServer::start(Readiness::ready(state));
     let golden = deco_tests::asset("golden/smollm2-135m-instruct.json");
-    let mut child = Command::new("python3")
-        .arg(&script)
-        .arg("--base-url")
-        .arg(format!("http://{addr}/v1"))
-        .arg("--golden")
-        .arg(&golden)
-        .spawn()
-        .expect("python3 must be installed to run the OpenAI client test");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if start.elapsed() > Duration::from_secs(300) {
-            let _ = child.kill();
-            panic!("client test did not finish in 5 minutes");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let _ = stop_tx.send(());
-    rt.block_on(server).expect("server task").expect("server");
-    drop(rt);
+    let code = common::run_client_script("client_test.py", server.addr, &["--golden".as_ref(), golden.as_os_str()], Duration::from_secs(300));
+    server.signal().join();
     join.join().expect("engine thread");
-    match status.code() {
+    match code {
         Some(0) => {}
         Some(2) => panic!("a Python package is missing: pip install \"openai>=1.40\" prometheus_client"),
         other => panic!("tests/python/client_test.py failed (exit {other:?}); see its output above"),

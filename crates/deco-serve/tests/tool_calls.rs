@@ -13,9 +13,8 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::tensor::Device;
 use common::TestServer;
@@ -93,27 +92,10 @@ fn official_client_tool_calls_on_qwen() {
     assert!(state.grammars.is_some(), "the grammar compiler must build for Qwen2.5");
     let server = TestServer::start(Readiness::ready(state));
 
-    let script = deco_tests::workspace_root().join("tests/python/tool_client_test.py");
-    let mut child = Command::new("python3")
-        .arg(&script)
-        .arg("--base-url")
-        .arg(format!("http://{}/v1", server.addr))
-        .spawn()
-        .expect("python3 must be installed to run the tool-call client test");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if start.elapsed() > Duration::from_secs(600) {
-            let _ = child.kill();
-            panic!("tool client test did not finish in 10 minutes");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let code = common::run_client_script("tool_client_test.py", server.addr, &[], Duration::from_secs(600));
     server.signal().join();
     join.join().expect("engine thread");
-    match status.code() {
+    match code {
         Some(0) => {}
         Some(2) => panic!("a Python package is missing: pip install \"openai>=1.40\" jsonschema"),
         other => panic!("tests/python/tool_client_test.py failed (exit {other:?}); see its output above"),

@@ -65,3 +65,31 @@ pub fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) ->
     let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
     (status, body)
 }
+
+/// Runs `python3 tests/python/<script> --base-url http://<addr>/v1 <extra...>` (the official
+/// client tests), killing it after `limit`; returns its exit code (`None` if killed by a
+/// signal).
+///
+/// # Panics
+/// When python3 cannot be started or the script runs past `limit`.
+pub fn run_client_script(script: &str, addr: SocketAddr, extra: &[&std::ffi::OsStr], limit: Duration) -> Option<i32> {
+    let path = deco_tests::workspace_root().join("tests/python").join(script);
+    let mut child = std::process::Command::new("python3")
+        .arg(&path)
+        .arg("--base-url")
+        .arg(format!("http://{addr}/v1"))
+        .args(extra)
+        .spawn()
+        .unwrap_or_else(|e| panic!("python3 must be installed to run {script}: {e}"));
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            return s.code();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{script} did not finish in {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
