@@ -21,8 +21,6 @@ Needs the interop venv (transformers 5, gptqmodel, compressed-tensors, torch), w
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -78,21 +76,10 @@ def cmd_build_quantize(args: argparse.Namespace) -> None:
         print(tool)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from llama_reference import unpack_llama_cpp
+    from llama_reference import cmake_build, unpack_llama_cpp
 
     src = unpack_llama_cpp(args.sdist, work)
-    bindir = Path(sys.executable).parent
-    cmake, ninja = bindir / "cmake", bindir / "ninja"
-    jobs = str(os.cpu_count() or 2)
-    subprocess.run([str(cmake), "-S", str(src), "-B", str(build), "-G", "Ninja",
-                    f"-DCMAKE_MAKE_PROGRAM={ninja}", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_COMMON=ON",
-                    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
-                   check=True, stdout=subprocess.DEVNULL)
-    subprocess.run([str(cmake), "--build", str(build), "--target", "llama-quantize", "-j", jobs],
-                   check=True, stdout=subprocess.DEVNULL)
+    cmake_build(src, build, "llama-quantize", with_tools=True)
     if not tool.is_file():
         sys.exit(f"error: the llama.cpp build did not produce {tool}")
     print(tool)

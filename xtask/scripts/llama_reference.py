@@ -57,6 +57,24 @@ def unpack_llama_cpp(sdist: str, work: Path) -> Path:
     return src
 
 
+def cmake_build(src: Path, build: Path, target: str, with_tools: bool) -> None:
+    """Configures llama.cpp in `build` with the venv's cmake + ninja (static, portable code: no
+    -march=native, no OpenMP, no curl / OpenSSL; common/ and tools/ only `with_tools`) and
+    builds `target`."""
+    bindir = Path(sys.executable).parent
+    cmake, ninja = bindir / "cmake", bindir / "ninja"
+    on = "ON" if with_tools else "OFF"
+    subprocess.run([str(cmake), "-S", str(src), "-B", str(build), "-G", "Ninja",
+                    f"-DCMAKE_MAKE_PROGRAM={ninja}", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", f"-DLLAMA_BUILD_COMMON={on}",
+                    f"-DLLAMA_BUILD_TOOLS={on}", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([str(cmake), "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 2)],
+                   check=True, stdout=subprocess.DEVNULL if with_tools else None)
+
+
 def cmd_build(args: argparse.Namespace) -> None:
     work = Path(args.work)
     tool = work / "llama_tokenize"
@@ -66,19 +84,9 @@ def cmd_build(args: argparse.Namespace) -> None:
         print(tool)
         return
     src = unpack_llama_cpp(args.sdist, work)
-    bindir = Path(sys.executable).parent
-    cmake, ninja = bindir / "cmake", bindir / "ninja"
     build = work / "build"
-    jobs = str(os.cpu_count() or 2)
-    # Only the library: no common/, tools, tests or server; portable code (no -march=native).
-    subprocess.run([str(cmake), "-S", str(src), "-B", str(build), "-G", "Ninja",
-                    f"-DCMAKE_MAKE_PROGRAM={ninja}", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_COMMON=OFF",
-                    "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
-                   check=True, stdout=subprocess.DEVNULL)
-    subprocess.run([str(cmake), "--build", str(build), "--target", "llama", "-j", jobs], check=True)
+    # Only the library: no common/, tools, tests or server.
+    cmake_build(src, build, "llama", with_tools=False)
     libs = [build / "src/libllama.a", build / "ggml/src/libggml.a",
             build / "ggml/src/libggml-cpu.a", build / "ggml/src/libggml-base.a"]
     for lib in libs:
