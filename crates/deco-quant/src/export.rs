@@ -220,7 +220,13 @@ pub fn ggml_quantize_linear(cfg: &ModelConfig, hf_name: &str, w: &[f32], cols: u
         }
         None => w,
     };
-    let fmt_err = |e: ggml::GgmlError| Error::Shape(format!("{hf_name}: {e}"));
+    ggml_quantize(hf_name, w, ty)
+}
+
+/// `w` (row-major, rows a multiple of 32 long) as `ty` blocks with ggml's reference quantizer;
+/// errors name the tensor `name`.
+fn ggml_quantize(name: &str, w: &[f32], ty: GgmlType) -> Result<Vec<u8>> {
+    let fmt_err = |e: ggml::GgmlError| Error::Shape(format!("{name}: {e}"));
     match ty {
         GgmlType::Q8_0 => ggml::quantize_q8_0(w).map_err(fmt_err),
         GgmlType::Q4_0 => ggml::quantize_q4_0(w).map_err(fmt_err),
@@ -301,13 +307,7 @@ pub fn write_gguf_model(
             continue;
         }
         let (_, values) = src.dequantize(&info.name)?;
-        let bytes = match ty {
-            GgmlType::Q8_0 => ggml::quantize_q8_0(&values),
-            GgmlType::Q4_0 => ggml::quantize_q4_0(&values),
-            _ => ggml::quantize_q4_1(&values),
-        }
-        .map_err(|e| Error::Shape(format!("{}: {e}", info.name)))?;
-        others.insert(info.name.clone(), bytes);
+        others.insert(info.name.clone(), ggml_quantize(&info.name, &values, ty)?);
     }
     let mut to_write = Vec::with_capacity(src.tensors.len());
     for info in &src.tensors {

@@ -51,7 +51,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::engine::{EngineEvent, EngineHandle, GenerateRequest, TokenInfo};
 use crate::openai::{ChatRequest, CompletionRequest, Content, Prompt, error_body, sampling_params};
 use crate::structured::{Constraint, Grammars, OutputConstraint};
-use crate::tools::{self, ToolCallParser, ToolDelta, ToolError, ToolFormat, ToolRequest};
+use crate::tools::{self, ToolCallParser, ToolError, ToolFormat, ToolRequest};
 use crate::{Error, Result};
 
 /// Shared state of the handlers.
@@ -620,27 +620,6 @@ fn chat_finish_reason(f: FinishReason, parser: &ToolCallParser) -> &'static str 
     if parser.calls() > 0 && f != FinishReason::Length { "tool_calls" } else { f.as_openai_str() }
 }
 
-/// The `delta` of a streamed chat chunk from what the tool-call parser handed on: `content`
-/// and `tool_calls` entries; `None` when there is nothing.
-fn tool_delta(deltas: &[ToolDelta], id_prefix: &str) -> Option<Value> {
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    for d in deltas {
-        match d {
-            ToolDelta::Content(t) => content.push_str(t),
-            ToolDelta::Call { index, call } => calls.push(tools::call_json(*index, call, id_prefix, true)),
-        }
-    }
-    let mut delta = serde_json::Map::new();
-    if !content.is_empty() {
-        delta.insert("content".into(), Value::String(content));
-    }
-    if !calls.is_empty() {
-        delta.insert("tool_calls".into(), Value::Array(calls));
-    }
-    (!delta.is_empty()).then_some(Value::Object(delta))
-}
-
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Completion,
@@ -709,7 +688,7 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
                         let idx = pi * n + index;
                         if let Some(t) = &s.tool_output {
                             let deltas = s.parsers.entry(idx).or_insert_with(|| t.parser()).push(&text);
-                            let delta = tool_delta(&deltas, &format!("{id_prefix}_{idx}"));
+                            let delta = tools::stream_delta(&deltas, &format!("{id_prefix}_{idx}"));
                             if delta.is_none() && !want_logprobs {
                                 continue;
                             }
@@ -738,7 +717,7 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
                             let parser = s.parsers.entry(idx).or_insert_with(|| t.parser());
                             let deltas = parser.finish();
                             finish = chat_finish_reason(reason, parser);
-                            if let Some(delta) = tool_delta(&deltas, &format!("{id_prefix}_{idx}")) {
+                            if let Some(delta) = tools::stream_delta(&deltas, &format!("{id_prefix}_{idx}")) {
                                 s.queue.push_back((s.chunk)(json!([{"index": idx, "delta": delta, "logprobs": null, "finish_reason": null}]), None));
                             }
                         }

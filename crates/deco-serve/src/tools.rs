@@ -447,17 +447,38 @@ impl ToolCallParser {
     }
 }
 
-/// A choice's message from the parser's output: `content` (`null` when empty and there are
-/// calls) and `tool_calls` with ids `call_<request>_<choice>_<index>`.
-pub fn message(deltas: &[ToolDelta], id_prefix: &str) -> Value {
+/// The parser's output joined: the content text, and the calls in OpenAI's form (with their
+/// `index` when `streamed`, as `delta.tool_calls` entries).
+fn join(deltas: &[ToolDelta], id_prefix: &str, streamed: bool) -> (String, Vec<Value>) {
     let mut content = String::new();
     let mut calls = Vec::new();
     for d in deltas {
         match d {
             ToolDelta::Content(t) => content.push_str(t),
-            ToolDelta::Call { index, call } => calls.push(call_json(*index, call, id_prefix, false)),
+            ToolDelta::Call { index, call } => calls.push(call_json(*index, call, id_prefix, streamed)),
         }
     }
+    (content, calls)
+}
+
+/// The `delta` of a streamed chat chunk from what the parser handed on: `content` and
+/// `tool_calls` entries; `None` when there is nothing.
+pub fn stream_delta(deltas: &[ToolDelta], id_prefix: &str) -> Option<Value> {
+    let (content, calls) = join(deltas, id_prefix, true);
+    let mut delta = Map::new();
+    if !content.is_empty() {
+        delta.insert("content".into(), Value::String(content));
+    }
+    if !calls.is_empty() {
+        delta.insert("tool_calls".into(), Value::Array(calls));
+    }
+    (!delta.is_empty()).then_some(Value::Object(delta))
+}
+
+/// A choice's message from the parser's output: `content` (`null` when empty and there are
+/// calls) and `tool_calls` with ids `call_<request>_<choice>_<index>`.
+pub fn message(deltas: &[ToolDelta], id_prefix: &str) -> Value {
+    let (content, calls) = join(deltas, id_prefix, false);
     let mut m = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
     if !calls.is_empty() {
         m["tool_calls"] = Value::Array(calls);
@@ -466,7 +487,7 @@ pub fn message(deltas: &[ToolDelta], id_prefix: &str) -> Value {
 }
 
 /// One call in OpenAI's form; with `streamed`, with its `index` (a `delta.tool_calls` entry).
-pub fn call_json(index: usize, call: &ParsedCall, id_prefix: &str, streamed: bool) -> Value {
+fn call_json(index: usize, call: &ParsedCall, id_prefix: &str, streamed: bool) -> Value {
     let mut v = json!({
         "id": format!("call_{id_prefix}_{index}"),
         "type": "function",
