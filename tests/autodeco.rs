@@ -15,7 +15,7 @@ use deco_formats::gguf::GgufFile;
 use deco_formats::tokenizer::Tokenizer;
 use deco_generate::LlamaSession;
 use deco_model::Llama;
-use deco_model::calibrate::to_host;
+use deco_model::host::to_host;
 use deco_tests::{asset, smollm2_gguf};
 
 fn load() -> (Llama, Tokenizer) {

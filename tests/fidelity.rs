@@ -3,13 +3,12 @@
 //! The reference (`golden/smollm2-135m-instruct.{json,safetensors}`) is a numpy float64 forward
 //! pass on the GGUF's weights dequantized by llama.cpp's gguf-py; it shares no code with deco.
 
-use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use burn::tensor::Device;
 use deco_formats::checkpoint::Checkpoint;
 use deco_model::{DenseKvCache, KvCache, Llama, LogitsWanted, SeqInput};
-use deco_tests::{argmax, asset, max_abs_diff, smollm2_gguf};
+use deco_tests::{argmax, golden, ids, max_abs_diff, smollm2_gguf};
 
 /// Max-abs logit error allowed against the float64 reference (issue: 2e-3).
 const LOGIT_TOL: f32 = 2e-3;
@@ -18,40 +17,12 @@ const KV_TOL: f32 = 1e-4;
 /// Greedy steps are compared up to the first whose reference top1-top2 margin is below this.
 const MARGIN_CUTOFF: f64 = 0.05;
 
-struct Golden {
-    prompts: Vec<serde_json::Value>,
-    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
-}
-
-fn golden() -> &'static Golden {
-    static G: OnceLock<Golden> = OnceLock::new();
-    G.get_or_init(|| {
-        let json: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(asset("golden/smollm2-135m-instruct.json")).expect("read golden json"),
-        )
-        .expect("parse golden json");
-        let bytes = std::fs::read(asset("golden/smollm2-135m-instruct.safetensors")).expect("read golden safetensors");
-        let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse golden safetensors");
-        let mut tensors = HashMap::new();
-        for (name, view) in st.tensors() {
-            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-            let data = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            tensors.insert(name, (view.shape().to_vec(), data));
-        }
-        Golden { prompts: json["prompts"].as_array().expect("prompts").clone(), tensors }
-    })
-}
-
 fn model() -> &'static Llama {
     static M: OnceLock<Llama> = OnceLock::new();
     M.get_or_init(|| {
         let ckpt = Checkpoint::open(smollm2_gguf()).expect("open SmolLM2 GGUF");
         Llama::load(&ckpt, &Device::flex(), Some(2048)).expect("load SmolLM2")
     })
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().expect("id list").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
 #[test]

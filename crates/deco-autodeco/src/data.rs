@@ -10,7 +10,7 @@ use std::path::Path;
 
 use deco_formats::chat_template::{ChatMessage, ChatTemplate};
 use deco_formats::tokenizer::Tokenizer;
-use deco_model::calibrate::to_host;
+use deco_model::host::to_host;
 use deco_model::{DenseKvCache, Llama, LogitsWanted, SeqInput};
 use serde::Deserialize;
 

@@ -126,9 +126,9 @@ pub fn run(args: &KldArgs) -> Result<()> {
         let lm = match &act {
             Some((aq, cfg, layers, embed, norm, head)) => {
                 let c = deco_model::calibrate::Calibrator::new(cfg, &device, &[window.len()])?;
-                let t = c.forward_logits(&[window.to_vec()], embed, &mut |li| Ok(layers[li].clone()), norm, head, Some(aq))?;
+                let t = c.forward_logits(&[window.to_vec()], embed, &mut |li| Ok(layers[li].clone()), norm, head, aq)?;
                 let v = cfg.vocab_size;
-                deco_model::calibrate::to_host(t)?.chunks(v).map(<[f32]>::to_vec).collect()
+                deco_model::host::to_host(t)?.chunks(v).map(<[f32]>::to_vec).collect()
             }
             None => logits(&model)?,
         };

@@ -243,7 +243,7 @@ impl Teacher for Llama {
         let inputs: Vec<SeqInput<'_>> = ids.iter().enumerate().map(|(i, t)| SeqInput { seq: i as u64, tokens: t }).collect();
         let mut cache = DenseKvCache::new(self.num_layers());
         let out = self.forward(&inputs, &mut cache, LogitsWanted::All)?;
-        Ok(deco_model::calibrate::to_host(out.logits)?)
+        Ok(deco_model::host::to_host(out.logits)?)
     }
 }
 
@@ -363,7 +363,7 @@ fn tensor2(data: Vec<f32>, rows: usize, cols: usize, device: &Device) -> Tensor<
 }
 
 fn scalar(t: Tensor<1>) -> Result<f64> {
-    let v = deco_model::calibrate::to_host(t.detach().reshape([1, 1]))?;
+    let v = deco_model::host::to_host(t.detach().reshape([1, 1]))?;
     Ok(f64::from(v.first().copied().unwrap_or(f32::NAN)))
 }
 
@@ -380,7 +380,7 @@ pub fn sample_continuations(model: &Llama, prompts: &[Vec<u32>], new: usize, rng
     for _ in 0..new {
         let inputs: Vec<SeqInput<'_>> = pending.iter().enumerate().map(|(i, t)| SeqInput { seq: i as u64, tokens: t }).collect();
         let out = model.forward(&inputs, &mut cache, LogitsWanted::Last)?;
-        let rows = deco_model::calibrate::to_host(out.logits)?;
+        let rows = deco_model::host::to_host(out.logits)?;
         for (i, row) in rows.chunks_exact(vocab).enumerate() {
             let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let p: Vec<f64> = row.iter().map(|&x| f64::from(x - m).exp()).collect();

@@ -10,7 +10,9 @@ use std::collections::HashMap;
 
 use burn::tensor::{Device, Tensor};
 use deco_formats::config::ModelConfig;
-use deco_model::calibrate::{Calibrator, LayerWeights, Linear, to_host};
+use deco_model::calibrate::{Calibrator, LayerWeights, Linear};
+use deco_model::decoder::NoHook;
+use deco_model::host::to_host;
 use deco_quant::gptq::Hessian;
 
 use crate::mask::Pattern;
@@ -136,7 +138,7 @@ pub fn prune_model(
     for li in 0..cfg.num_hidden_layers {
         let mut lw = LayerWeights::fetch(cfg, li, tensor)?;
         let dl = c.upload(&lw);
-        let (inputs, _) = c.layer_capture(&dl, x.clone());
+        let (inputs, _) = c.layer_capture(&dl, x.clone())?;
         let groups: [(usize, &[Linear]); 4] = [
             (0, &[Linear::Q, Linear::K, Linear::V]),
             (1, &[Linear::O]),
@@ -169,7 +171,7 @@ pub fn prune_model(
         }
         drop(inputs);
         let dl = c.upload(&lw);
-        x = c.layer(&dl, x, None);
+        x = c.layer(li, &dl, x, &NoHook)?;
         record(&mut out, li, &lw);
         progress(li);
     }

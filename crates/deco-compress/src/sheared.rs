@@ -266,12 +266,12 @@ pub struct ShearedResult {
 
 fn host1(t: Tensor<1>) -> Result<Vec<f64>> {
     let n = t.dims()[0];
-    Ok(deco_model::calibrate::to_host(t.reshape([1, n]))?.into_iter().map(f64::from).collect())
+    Ok(deco_model::host::to_host(t.reshape([1, n]))?.into_iter().map(f64::from).collect())
 }
 
 fn host2(t: Tensor<2>) -> Result<Vec<Vec<f64>>> {
     let [r, c] = t.dims();
-    let v = deco_model::calibrate::to_host(t)?;
+    let v = deco_model::host::to_host(t)?;
     Ok((0..r).map(|i| v[i * c..(i + 1) * c].iter().map(|&x| f64::from(x)).collect()).collect())
 }
 
@@ -461,7 +461,7 @@ pub fn shear(model: StudentModel, cfg: &ModelConfig, domains: &[Vec<u32>], refer
         if domains.len() > 1 && sc.domain_eta > 0.0 {
             let [_, v] = logits.dims();
             let lp = burn::tensor::activation::log_softmax(logits.clone().detach(), 1);
-            let lph = deco_model::calibrate::to_host(lp)?;
+            let lph = deco_model::host::to_host(lp)?;
             let mut sum = vec![0.0; domains.len()];
             let mut cnt = vec![0usize; domains.len()];
             for (b, &d) in dom.iter().enumerate() {

@@ -29,7 +29,8 @@
 
 use burn::tensor::{Device, Tensor};
 use deco_formats::config::ModelConfig;
-use deco_model::calibrate::{Calibrator, LayerWeights, Linear, to_host};
+use deco_model::calibrate::{Calibrator, LayerWeights, Linear};
+use deco_model::host::to_host;
 
 use crate::mask::pruned_count;
 use crate::pipeline::{TensorFn, column_sum_sq};
@@ -107,7 +108,7 @@ pub fn importance(cfg: &ModelConfig, tensor: &TensorFn<'_>, device: &Device, win
     for li in 0..cfg.num_hidden_layers {
         let lw = LayerWeights::fetch(cfg, li, tensor)?;
         let dl = c.upload(&lw);
-        let (inputs, y) = c.layer_capture(&dl, x.clone());
+        let (inputs, y) = c.layer_capture(&dl, x.clone())?;
         let a_sq = column_sum_sq(&inputs[1])?;
         let wo = lw.linear(Linear::O);
         imp.heads.push(

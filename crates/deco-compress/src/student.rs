@@ -2,12 +2,12 @@
 //!
 //! [`StudentModel`] is a burn `#[derive(Module)]` whose weights are [`Param`]s, so it trains on
 //! an autodiff device (`Device::flex().autodiff()`) with burn-optim. Its forward is the same math
-//! as `deco_model::Llama::forward` (transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM`):
-//! token embedding, per layer pre-RMSNorm → fused Q/K/V (+ biases) → RoPE → causal GQA attention
-//! → o_proj → residual, pre-RMSNorm → SwiGLU MLP → residual; final RMSNorm and LM head (tied to
-//! the embedding or not). It reuses `deco_kernels::ops` (`rms_norm`, `RopeTable`,
-//! `causal_gqa_attention`, `swiglu`), which are plain burn tensor compositions, so autodiff runs
-//! through them. Full sequences only: no KV cache (training, scoring).
+//! as `deco_model::Llama::forward` because it is the same code: each layer runs the one decoder
+//! layer, `deco_model::decoder::Pass::layer`, with [`StudentLayer`] as its weights
+//! ([`LayerParams`]), `WindowAttention` (full sequences from position 0, no KV cache: training,
+//! scoring) and, in [`StudentModel::forward_masked`], a hook that multiplies the structural masks
+//! in. On an autodiff device the decoder uses the burn compositions of `deco_kernels::ops`, so
+//! autodiff runs through them. Embedding, final RMSNorm and LM head (tied or not) are here.
 //!
 //! Weights are stored transposed, `[in, out]` (`y = x @ w`), Q/K/V and gate/up fused along the
 //! output dimension as in `deco_model::Llama`. [`StudentModel::from_source`] loads any f32 tensor
@@ -20,8 +20,10 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use deco_formats::checkpoint::{hf_expected_shape, hf_tensor_names};
 use deco_formats::config::ModelConfig;
-use deco_kernels::ops::{RopeTable, causal_gqa_attention, rms_norm, swiglu};
-use deco_model::llama::config_inv_freq;
+use deco_kernels::ops::RopeTable;
+use deco_model::calibrate::Site;
+use deco_model::decoder::{Branch, LayerHook, LayerParams, NoHook, Pass, Proj, WindowAttention, config_inv_freq, rms_norm};
+use deco_model::host::{fuse_transposed, to_host, transpose};
 
 use crate::pipeline::TensorFn;
 use crate::{Error, Result, invalid};
@@ -75,24 +77,57 @@ pub struct Masks {
     pub hidden: Tensor<1>,
 }
 
-/// Transposes a row-major `[rows, cols]` buffer.
-fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; data.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = data[r * cols + c];
+impl LayerParams for StudentLayer {
+    fn norm(&self, branch: Branch) -> Tensor<1> {
+        match branch {
+            Branch::Attention => self.attn_norm.val(),
+            Branch::Mlp => self.ffn_norm.val(),
         }
     }
-    out
+
+    fn qkv_bias(&self) -> Option<Tensor<1>> {
+        self.bqkv.as_ref().map(Param::val)
+    }
+
+    fn project(&self, proj: Proj, x: Tensor<2>) -> deco_model::Result<Tensor<2>> {
+        let w = match proj {
+            Proj::Qkv => &self.wqkv,
+            Proj::O => &self.wo,
+            Proj::GateUp => &self.w_gate_up,
+            Proj::Down => &self.w_down,
+        };
+        Ok(x.matmul(w.val()))
+    }
 }
 
-fn host(t: Tensor<2>) -> Result<Vec<f32>> {
-    Ok(deco_model::calibrate::to_host(t)?)
+/// The structural masks of [`StudentModel::forward_masked`] as a decoder hook: heads on the
+/// attention output (o_proj's input), neurons on the SwiGLU output (down_proj's input), layer ×
+/// hidden on both residual branches.
+struct MaskHook<'a> {
+    masks: &'a Masks,
+    heads: usize,
+    head_dim: usize,
+    inter: usize,
 }
 
-fn host1(t: Tensor<1>) -> Result<Vec<f32>> {
-    let n = t.dims()[0];
-    host(t.reshape([1, n]))
+impl LayerHook for MaskHook<'_> {
+    fn input(&self, li: usize, site: Site, x: Tensor<2>) -> Tensor<2> {
+        let m = self.masks;
+        match site {
+            Site::AttnOut => {
+                let [n, qd] = x.dims();
+                let hz = m.heads.clone().slice([li..li + 1, 0..self.heads]).reshape([1, self.heads, 1]);
+                x.reshape([n, self.heads, self.head_dim]).mul(hz).reshape([n, qd])
+            }
+            Site::DownIn => x.mul(m.intermediate.clone().slice([li..li + 1, 0..self.inter])),
+            Site::AttnIn | Site::MlpIn => x,
+        }
+    }
+
+    fn branch(&self, li: usize, _branch: Branch, y: Tensor<2>) -> Tensor<2> {
+        let lz = self.masks.layers.clone().slice(li..li + 1).unsqueeze_dim::<2>(0);
+        y.mul(lz).mul(self.masks.hidden.clone().unsqueeze_dim::<2>(0))
+    }
 }
 
 impl StudentModel {
@@ -119,21 +154,11 @@ impl StudentModel {
         };
         // `[out_i, in]` weights transposed and concatenated along the output: `[in, Σ out_i]`.
         let fused = |names: &[String]| -> Result<Param<Tensor<2>>> {
-            let mut parts = Vec::new();
-            let mut inner = 0;
-            for n in names {
-                let (s, d) = fetch(n)?;
-                inner = s[1];
-                parts.push((transpose(&d, s[0], s[1]), s[0]));
-            }
-            let total: usize = parts.iter().map(|p| p.1).sum();
-            let mut out = Vec::with_capacity(inner * total);
-            for r in 0..inner {
-                for (d, cols) in &parts {
-                    out.extend_from_slice(&d[r * cols..(r + 1) * cols]);
-                }
-            }
-            Ok(Param::from_tensor(Tensor::from_data(TensorData::new(out, [inner, total]), device)))
+            let parts = names.iter().map(|n| fetch(n)).collect::<Result<Vec<_>>>()?;
+            let inner = parts.first().map_or(0, |(s, _)| s[1]);
+            let refs: Vec<(&[f32], usize)> = parts.iter().map(|(s, d)| (d.as_slice(), s[0])).collect();
+            let total: usize = refs.iter().map(|r| r.1).sum();
+            Ok(Param::from_tensor(Tensor::from_data(TensorData::new(fuse_transposed(&refs, inner), [inner, total]), device)))
         };
         let (_, e) = fetch("model.embed_tokens.weight")?;
         let embed = Param::from_tensor(Tensor::from_data(TensorData::new(e, [cfg.vocab_size, cfg.hidden_size]), device));
@@ -223,59 +248,20 @@ impl StudentModel {
             embed = embed.detach();
         }
         let mut x = embed.clone().select(0, idx);
-        let hidden_mask = masks.map(|m| m.hidden.clone().unsqueeze_dim::<2>(0));
-        if let Some(hm) = &hidden_mask {
-            x = x.mul(hm.clone());
+        if let Some(m) = masks {
+            x = x.mul(m.hidden.clone().unsqueeze_dim::<2>(0));
         }
-        // A residual update scaled by the layer mask and the hidden mask.
-        let scale = |li: usize, y: Tensor<2>| -> Tensor<2> {
-            match masks {
-                None => y,
-                Some(m) => {
-                    let lz = m.layers.clone().slice(li..li + 1).unsqueeze_dim::<2>(0);
-                    y.mul(lz).mul(m.hidden.clone().unsqueeze_dim::<2>(0))
-                }
-            }
+        let spans: Vec<(usize, usize)> = (0..b).map(|s| (s * seq, seq)).collect();
+        let pass = Pass { cfg, rope: &rope, positions: &pos };
+        let mask_hook = masks.map(|m| MaskHook { masks: m, heads: cfg.num_attention_heads, head_dim: cfg.head_dim, inter: cfg.intermediate_size });
+        let hook: &dyn LayerHook = match &mask_hook {
+            Some(h) => h,
+            None => &NoHook,
         };
-        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let (qd, kvd, inter) = (heads * hd, kvh * hd, cfg.intermediate_size);
-        let eps = cfg.rms_norm_eps;
         for (li, layer) in self.layers.iter().enumerate() {
-            let xn = rms_norm(x.clone(), &layer.attn_norm.val(), eps);
-            let mut qkv = xn.matmul(layer.wqkv.val());
-            if let Some(bias) = &layer.bqkv {
-                qkv = qkv.add(bias.val().unsqueeze_dim::<2>(0));
-            }
-            let q = rope.apply(qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]), &pos);
-            let k = rope.apply(qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]), &pos);
-            let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
-            let mut outs = Vec::with_capacity(b);
-            for s in 0..b {
-                let r = s * seq..(s + 1) * seq;
-                outs.push(causal_gqa_attention(
-                    q.clone().slice([r.clone(), 0..heads, 0..hd]),
-                    k.clone().slice([r.clone(), 0..kvh, 0..hd]),
-                    v.clone().slice([r, 0..kvh, 0..hd]),
-                    0,
-                ));
-            }
-            let mut attn = if b == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
-            if let Some(m) = masks {
-                let hz = m.heads.clone().slice([li..li + 1, 0..heads]).reshape([1, heads, 1]);
-                attn = attn.reshape([n, heads, hd]).mul(hz).reshape([n, qd]);
-            }
-            x = x.add(scale(li, attn.matmul(layer.wo.val())));
-            let xn = rms_norm(x.clone(), &layer.ffn_norm.val(), eps);
-            let gu = xn.matmul(layer.w_gate_up.val());
-            let gate = gu.clone().slice([0..n, 0..inter]);
-            let up = gu.slice([0..n, inter..2 * inter]);
-            let mut act = swiglu(gate, up);
-            if let Some(m) = masks {
-                act = act.mul(m.intermediate.clone().slice([li..li + 1, 0..inter]));
-            }
-            x = x.add(scale(li, act.matmul(layer.w_down.val())));
+            x = pass.layer(li, layer, x, &mut WindowAttention { spans: &spans }, hook)?;
         }
-        let hidden = rms_norm(x, &self.norm.val(), eps);
+        let hidden = rms_norm(x, &self.norm.val(), cfg.rms_norm_eps);
         Ok(match &self.lm_head {
             Some(w) => hidden.matmul(w.val()),
             None => hidden.matmul(embed.transpose()),
@@ -299,7 +285,7 @@ impl StudentModel {
         let mut split = |w: &Param<Tensor<2>>, names: &[(String, usize)]| -> Result<()> {
             let t = w.val();
             let [inner, total] = t.dims();
-            let d = host(t)?;
+            let d = to_host(t)?;
             let back = transpose(&d, inner, total); // [total, inner]
             let mut row = 0;
             for (name, out) in names {
@@ -321,17 +307,17 @@ impl StudentModel {
         }
         for (li, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{li}");
-            m.insert(format!("{p}.input_layernorm.weight"), (vec![h], host1(l.attn_norm.val())?));
-            m.insert(format!("{p}.post_attention_layernorm.weight"), (vec![h], host1(l.ffn_norm.val())?));
+            m.insert(format!("{p}.input_layernorm.weight"), (vec![h], to_host(l.attn_norm.val())?));
+            m.insert(format!("{p}.post_attention_layernorm.weight"), (vec![h], to_host(l.ffn_norm.val())?));
             if let Some(b) = &l.bqkv {
-                let v = host1(b.val())?;
+                let v = to_host(b.val())?;
                 m.insert(format!("{p}.self_attn.q_proj.bias"), (vec![q], v[..q].to_vec()));
                 m.insert(format!("{p}.self_attn.k_proj.bias"), (vec![kv], v[q..q + kv].to_vec()));
                 m.insert(format!("{p}.self_attn.v_proj.bias"), (vec![kv], v[q + kv..].to_vec()));
             }
         }
-        m.insert("model.norm.weight".into(), (vec![h], host1(self.norm.val())?));
-        m.insert("model.embed_tokens.weight".into(), (vec![cfg.vocab_size, h], host(self.embed.val())?));
+        m.insert("model.norm.weight".into(), (vec![h], to_host(self.norm.val())?));
+        m.insert("model.embed_tokens.weight".into(), (vec![cfg.vocab_size, h], to_host(self.embed.val())?));
         debug_assert!(hf_tensor_names(cfg).iter().all(|n| m.contains_key(n)));
         Ok(m)
     }

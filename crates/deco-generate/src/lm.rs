@@ -103,14 +103,6 @@ impl<'m> LlamaSession<'m> {
     }
 }
 
-fn tensor_rows(t: &burn::tensor::Tensor<2>) -> Result<Vec<Vec<f32>>> {
-    let [rows, cols] = t.dims();
-    let flat = t
-        .clone()
-        .try_into_vec_as::<f32>()
-        .map_err(|e| GenerateError::Model(deco_model::Error::TensorRead(format!("{e:?}"))))?;
-    Ok((0..rows).map(|r| flat[r * cols..(r + 1) * cols].to_vec()).collect())
-}
 
 impl CausalLm for LlamaSession<'_> {
     fn vocab_size(&self) -> usize {
@@ -124,8 +116,8 @@ impl CausalLm for LlamaSession<'_> {
     fn forward(&mut self, inputs: &[(SeqId, &[u32])], wanted: LogitsWanted, hidden: bool) -> Result<StepRows> {
         let seqs: Vec<SeqInput<'_>> = inputs.iter().map(|&(seq, tokens)| SeqInput { seq, tokens }).collect();
         let out = self.model.forward_partial(&seqs, &mut self.cache, wanted, self.num_layers)?;
-        let logits = tensor_rows(&out.logits)?;
-        let hidden = if hidden { tensor_rows(&out.hidden)? } else { Vec::new() };
+        let logits = deco_model::host::to_host_rows(out.logits)?;
+        let hidden = if hidden { deco_model::host::to_host_rows(out.hidden)? } else { Vec::new() };
         Ok(StepRows { logits, hidden, rows: out.rows })
     }
 

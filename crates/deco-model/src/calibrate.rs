@@ -14,30 +14,19 @@
 //! | [`Calibrator::mlp_in`] | `rms_norm(x + attn·Woᵀ, post_attention_layernorm)` | gate_proj, up_proj |
 //! | [`Calibrator::swiglu_out`] | `silu(gate) * up` | down_proj |
 //!
-//! The same stages with an [`ActHook`] run a whole model whose linear layers quantize their
-//! inputs at run time (SmoothQuant W8A8, LLM.int8()), see [`Calibrator::forward_logits`].
-//! The computation is `Llama::layer_forward`'s (same kernels), checked against it by
-//! `tests/quant_calib.rs`.
+//! The stages are those of the one decoder layer, [`crate::decoder::Pass`], with the attention
+//! of [`WindowAttention`]; a [`LayerHook`] in [`Calibrator::layer`] /
+//! [`Calibrator::forward_logits`] runs a whole model whose linear layers quantize their inputs
+//! at run time (SmoothQuant W8A8, LLM.int8()). `tests/quant_calib.rs` checks the result against
+//! `Llama::forward`.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use deco_formats::config::ModelConfig;
-use deco_kernels::ops::{RopeTable, causal_gqa_attention, rms_norm, swiglu};
+use deco_kernels::ops::RopeTable;
 
-use crate::llama::config_inv_freq;
+pub use crate::decoder::Site;
+use crate::decoder::{Branch, Capture, DecoderLayer, LayerHook, LinearWeight, NoHook, Pass, TensorSource, WindowAttention, config_inv_freq, fetch_checked, rms_norm};
 use crate::{Error, Result};
-
-/// Where a linear layer reads its input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Site {
-    /// The input RMSNorm output (q/k/v_proj).
-    AttnIn,
-    /// The attention output (o_proj).
-    AttnOut,
-    /// The post-attention RMSNorm output (gate/up_proj).
-    MlpIn,
-    /// The SwiGLU output (down_proj).
-    DownIn,
-}
 
 /// The seven linear layers of a decoder layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -103,10 +92,6 @@ impl Linear {
     }
 }
 
-/// A source of f32 tensors: transformers name → (shape, row-major data), as
-/// [`crate::Llama::load_from`] takes.
-pub type TensorSource<'a> = dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)> + 'a;
-
 /// One decoder layer's weights on the host, transformers layout (`[out, in]` row-major).
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
@@ -124,37 +109,26 @@ impl LayerWeights {
     /// Reads layer `li` from a tensor source (as [`crate::Llama::load_from`] takes).
     ///
     /// # Errors
-    /// Whatever `tensor` returns; [`Error::InvalidInput`] for a wrong size.
+    /// Whatever `tensor` returns; [`Error::InvalidInput`] naming a weight of the wrong shape.
     pub fn fetch(
         cfg: &ModelConfig,
         li: usize,
         tensor: &TensorSource<'_>,
     ) -> Result<Self> {
         let p = format!("model.layers.{li}");
-        let get = |name: String, len: usize| -> Result<Vec<f32>> {
-            let (_, d) = tensor(&name)?;
-            if d.len() != len {
-                return Err(Error::InvalidInput(format!("weight `{name}` has {} values, expected {len}", d.len())));
-            }
-            Ok(d)
-        };
-        let h = cfg.hidden_size;
-        let lin = |l: Linear| -> Result<Vec<f32>> {
-            let (o, i) = l.dims(cfg);
-            get(format!("{p}.{}.weight", l.hf_suffix()), o * i)
-        };
+        let get = |name: String| -> Result<Vec<f32>> { Ok(fetch_checked(cfg, tensor, &name)?.1) };
+        let lin = |l: Linear| get(format!("{p}.{}.weight", l.hf_suffix()));
         let bqkv = if cfg.attention_bias {
-            let (q, kv) = (Linear::Q.dims(cfg).0, Linear::K.dims(cfg).0);
-            let mut b = get(format!("{p}.self_attn.q_proj.bias"), q)?;
-            b.extend(get(format!("{p}.self_attn.k_proj.bias"), kv)?);
-            b.extend(get(format!("{p}.self_attn.v_proj.bias"), kv)?);
+            let mut b = get(format!("{p}.self_attn.q_proj.bias"))?;
+            b.extend(get(format!("{p}.self_attn.k_proj.bias"))?);
+            b.extend(get(format!("{p}.self_attn.v_proj.bias"))?);
             Some(b)
         } else {
             None
         };
         Ok(Self {
-            attn_norm: get(format!("{p}.input_layernorm.weight"), h)?,
-            ffn_norm: get(format!("{p}.post_attention_layernorm.weight"), h)?,
+            attn_norm: get(format!("{p}.input_layernorm.weight"))?,
+            ffn_norm: get(format!("{p}.post_attention_layernorm.weight"))?,
             linears: [lin(Linear::Q)?, lin(Linear::K)?, lin(Linear::V)?, lin(Linear::O)?, lin(Linear::Gate)?, lin(Linear::Up)?, lin(Linear::Down)?],
             bqkv,
         })
@@ -171,26 +145,6 @@ impl LayerWeights {
     }
 }
 
-/// A layer's weights uploaded for [`Calibrator`]: norms and transposed (`[in, out]`) weights.
-#[derive(Debug, Clone)]
-pub struct DeviceLayer {
-    attn_norm: Tensor<1>,
-    ffn_norm: Tensor<1>,
-    wqkv: Tensor<2>,
-    bqkv: Option<Tensor<1>>,
-    wo: Tensor<2>,
-    w_gate_up: Tensor<2>,
-    w_down: Tensor<2>,
-}
-
-/// Transforms the input of the linear layers at one site before the matmul (run-time activation
-/// quantization). `layer` is the decoder layer index.
-pub trait ActHook {
-    /// Returns the input the linear layers at `site` actually see, same shape as `x`
-    /// (`[tokens, in]`).
-    fn apply(&self, layer: usize, site: Site, x: Tensor<2>) -> Tensor<2>;
-}
-
 /// Runs decoder layers stage by stage over a fixed batch of independent windows (each starting
 /// at position 0), all tokens as one `[tokens, hidden]` matrix.
 #[derive(Debug, Clone)]
@@ -202,28 +156,6 @@ pub struct Calibrator {
     /// `(start, len)` of each window in the token matrix.
     spans: Vec<(usize, usize)>,
     tokens: usize,
-}
-
-fn tensor2(data: Vec<f32>, rows: usize, cols: usize, device: &Device) -> Tensor<2> {
-    Tensor::from_data(TensorData::new(data, [rows, cols]), device)
-}
-
-fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; data.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = data[r * cols + c];
-        }
-    }
-    out
-}
-
-/// Copies a 2-D tensor to the host, row-major.
-///
-/// # Errors
-/// [`Error::TensorRead`] if the device read fails.
-pub fn to_host(t: Tensor<2>) -> Result<Vec<f32>> {
-    t.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))
 }
 
 impl Calibrator {
@@ -289,124 +221,97 @@ impl Calibrator {
             }
             out.extend_from_slice(&embed[t * h..(t + 1) * h]);
         }
-        Ok(tensor2(out, self.tokens, h, &self.device))
+        Ok(Tensor::from_data(TensorData::new(out, [self.tokens, h]), &self.device))
     }
 
-    /// Uploads a layer's weights (fusing Q/K/V and gate/up as the model does).
-    pub fn upload(&self, w: &LayerWeights) -> DeviceLayer {
+    /// Uploads a layer's weights (fusing Q/K/V and gate/up as the model does), dense f32.
+    pub fn upload(&self, w: &LayerWeights) -> DecoderLayer {
         let cfg = &self.cfg;
         let d = &self.device;
-        let h = cfg.hidden_size;
-        let cat_t = |ls: &[Linear]| -> Tensor<2> {
-            let parts: Vec<Tensor<2>> = ls
-                .iter()
-                .map(|&l| {
-                    let (o, i) = l.dims(cfg);
-                    tensor2(transpose(w.linear(l), o, i), i, o, d)
-                })
-                .collect();
-            Tensor::cat(parts, 1)
+        let fused = |ls: &[Linear]| -> LinearWeight {
+            let parts: Vec<(&[f32], usize)> = ls.iter().map(|&l| (w.linear(l), l.dims(cfg).0)).collect();
+            LinearWeight::dense_fused(&parts, ls[0].dims(cfg).1, d)
         };
-        let (o_out, o_in) = Linear::O.dims(cfg);
-        let (d_out, d_in) = Linear::Down.dims(cfg);
-        DeviceLayer {
-            attn_norm: Tensor::from_data(TensorData::new(w.attn_norm.clone(), [h]), d),
-            ffn_norm: Tensor::from_data(TensorData::new(w.ffn_norm.clone(), [h]), d),
-            wqkv: cat_t(&[Linear::Q, Linear::K, Linear::V]),
-            bqkv: w.bqkv.as_ref().map(|b| Tensor::from_data(TensorData::new(b.clone(), [b.len()]), d)),
-            wo: tensor2(transpose(w.linear(Linear::O), o_out, o_in), o_in, o_out, d),
-            w_gate_up: cat_t(&[Linear::Gate, Linear::Up]),
-            w_down: tensor2(transpose(w.linear(Linear::Down), d_out, d_in), d_in, d_out, d),
+        let t1 = |v: &[f32]| Tensor::from_data(TensorData::new(v.to_vec(), [v.len()]), d);
+        DecoderLayer {
+            attn_norm: t1(&w.attn_norm),
+            wqkv: fused(&[Linear::Q, Linear::K, Linear::V]),
+            bqkv: w.bqkv.as_deref().map(t1),
+            wo: fused(&[Linear::O]),
+            ffn_norm: t1(&w.ffn_norm),
+            w_gate_up: fused(&[Linear::Gate, Linear::Up]),
+            w_down: fused(&[Linear::Down]),
         }
     }
 
-    fn hooked(hook: Option<(&dyn ActHook, usize)>, site: Site, x: Tensor<2>) -> Tensor<2> {
-        match hook {
-            Some((h, li)) => h.apply(li, site, x),
-            None => x,
-        }
+    fn pass(&self) -> Pass<'_> {
+        Pass { cfg: &self.cfg, rope: &self.rope, positions: &self.positions }
     }
 
     /// `rms_norm(x, input_layernorm)`: the input of q/k/v_proj, `[tokens, hidden]`.
-    pub fn attn_in(&self, l: &DeviceLayer, x: Tensor<2>) -> Tensor<2> {
-        rms_norm(x, &l.attn_norm, self.cfg.rms_norm_eps)
+    pub fn attn_in(&self, l: &DecoderLayer, x: Tensor<2>) -> Tensor<2> {
+        self.pass().norm(l, Branch::Attention, x)
     }
 
     /// Causal attention of every window over `xn` (the [`Calibrator::attn_in`] output):
     /// the input of o_proj, `[tokens, heads * head_dim]`.
-    pub fn attention(&self, l: &DeviceLayer, xn: Tensor<2>, hook: Option<(&dyn ActHook, usize)>) -> Tensor<2> {
-        let cfg = &self.cfg;
-        let n = self.tokens;
-        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let (qd, kvd) = (heads * hd, kvh * hd);
-        let xn = Self::hooked(hook, Site::AttnIn, xn);
-        let mut qkv = xn.matmul(l.wqkv.clone());
-        if let Some(b) = &l.bqkv {
-            qkv = qkv.add(b.clone().unsqueeze_dim::<2>(0));
-        }
-        let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
-        let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
-        let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
-        let q = self.rope.apply(q, &self.positions);
-        let k = self.rope.apply(k, &self.positions);
-        let outs: Vec<Tensor<2>> = self
-            .spans
-            .iter()
-            .map(|&(s, len)| {
-                let r = s..s + len;
-                causal_gqa_attention(
-                    q.clone().slice([r.clone(), 0..heads, 0..hd]),
-                    k.clone().slice([r.clone(), 0..kvh, 0..hd]),
-                    v.clone().slice([r, 0..kvh, 0..hd]),
-                    0,
-                )
-            })
-            .collect();
-        Tensor::cat(outs, 0)
+    ///
+    /// # Errors
+    /// A projection's errors (none for the dense weights of [`Calibrator::upload`]).
+    pub fn attention(&self, l: &DecoderLayer, xn: Tensor<2>) -> Result<Tensor<2>> {
+        let (q, k, v) = self.pass().qkv(0, l, xn, &NoHook)?;
+        crate::decoder::Attend::attend(&mut WindowAttention { spans: &self.spans }, 0, q, k, v)
     }
 
     /// `x + attn · Woᵀ`: the residual stream after attention.
-    pub fn attn_residual(&self, l: &DeviceLayer, x: Tensor<2>, attn: Tensor<2>, hook: Option<(&dyn ActHook, usize)>) -> Tensor<2> {
-        x.add(Self::hooked(hook, Site::AttnOut, attn).matmul(l.wo.clone()))
+    ///
+    /// # Errors
+    /// As [`Calibrator::attention`].
+    pub fn attn_residual(&self, l: &DecoderLayer, x: Tensor<2>, attn: Tensor<2>) -> Result<Tensor<2>> {
+        self.pass().attn_residual(0, l, x, attn, &NoHook)
     }
 
     /// `rms_norm(x2, post_attention_layernorm)`: the input of gate/up_proj.
-    pub fn mlp_in(&self, l: &DeviceLayer, x2: Tensor<2>) -> Tensor<2> {
-        rms_norm(x2, &l.ffn_norm, self.cfg.rms_norm_eps)
+    pub fn mlp_in(&self, l: &DecoderLayer, x2: Tensor<2>) -> Tensor<2> {
+        self.pass().norm(l, Branch::Mlp, x2)
     }
 
     /// `silu(xn2 · Wgᵀ) * (xn2 · Wuᵀ)`: the input of down_proj, `[tokens, intermediate]`.
-    pub fn swiglu_out(&self, l: &DeviceLayer, xn2: Tensor<2>, hook: Option<(&dyn ActHook, usize)>) -> Tensor<2> {
-        let (n, i) = (self.tokens, self.cfg.intermediate_size);
-        let gu = Self::hooked(hook, Site::MlpIn, xn2).matmul(l.w_gate_up.clone());
-        swiglu(gu.clone().slice([0..n, 0..i]), gu.slice([0..n, i..2 * i]))
+    ///
+    /// # Errors
+    /// As [`Calibrator::attention`].
+    pub fn swiglu_out(&self, l: &DecoderLayer, xn2: Tensor<2>) -> Result<Tensor<2>> {
+        self.pass().mlp_act(0, l, xn2, &NoHook)
     }
 
     /// `x2 + h · Wdᵀ`: the layer's output.
-    pub fn mlp_residual(&self, l: &DeviceLayer, x2: Tensor<2>, h: Tensor<2>, hook: Option<(&dyn ActHook, usize)>) -> Tensor<2> {
-        x2.add(Self::hooked(hook, Site::DownIn, h).matmul(l.w_down.clone()))
+    ///
+    /// # Errors
+    /// As [`Calibrator::attention`].
+    pub fn mlp_residual(&self, l: &DecoderLayer, x2: Tensor<2>, h: Tensor<2>) -> Result<Tensor<2>> {
+        self.pass().mlp_residual(0, l, x2, h, &NoHook)
     }
 
-    /// The whole layer (all stages).
-    pub fn layer(&self, l: &DeviceLayer, x: Tensor<2>, hook: Option<(&dyn ActHook, usize)>) -> Tensor<2> {
-        let xn = self.attn_in(l, x.clone());
-        let a = self.attention(l, xn, hook);
-        let x2 = self.attn_residual(l, x, a, hook);
-        let xn2 = self.mlp_in(l, x2.clone());
-        let h = self.swiglu_out(l, xn2, hook);
-        self.mlp_residual(l, x2, h, hook)
+    /// The whole layer `li` ([`Pass::layer`]) with `hook` on its activations.
+    ///
+    /// # Errors
+    /// As [`Calibrator::attention`].
+    pub fn layer(&self, li: usize, l: &DecoderLayer, x: Tensor<2>, hook: &dyn LayerHook) -> Result<Tensor<2>> {
+        self.pass().layer(li, l, x, &mut WindowAttention { spans: &self.spans }, hook)
     }
 
     /// The layer with the input of every site captured:
     /// `([attn_in, attn_out, mlp_in, down_in], output)`.
-    pub fn layer_capture(&self, l: &DeviceLayer, x: Tensor<2>) -> ([Tensor<2>; 4], Tensor<2>) {
-        let xn = self.attn_in(l, x.clone());
-        let a = self.attention(l, xn.clone(), None);
-        let x2 = self.attn_residual(l, x, a.clone(), None);
-        let xn2 = self.mlp_in(l, x2.clone());
-        let h = self.swiglu_out(l, xn2.clone(), None);
-        let out = self.mlp_residual(l, x2, h.clone(), None);
-        ([xn, a, xn2, h], out)
+    ///
+    /// # Errors
+    /// As [`Calibrator::attention`].
+    pub fn layer_capture(&self, l: &DecoderLayer, x: Tensor<2>) -> Result<([Tensor<2>; 4], Tensor<2>)> {
+        let cap = Capture::default();
+        let out = self.layer(0, l, x, &cap)?;
+        let [Some(a), Some(b), Some(c), Some(d)] = cap.into_inputs() else {
+            return Err(Error::InvalidInput("a decoder stage was not run".into()));
+        };
+        Ok(([a, b, c, d], out))
     }
 
     /// Full-model logits of every position of every window, `[tokens, vocab]`, through layers
@@ -422,18 +327,18 @@ impl Calibrator {
         layer_weights: &mut dyn FnMut(usize) -> Result<LayerWeights>,
         norm: &[f32],
         lm_head: &[f32],
-        hook: Option<&dyn ActHook>,
+        hook: &dyn LayerHook,
     ) -> Result<Tensor<2>> {
         let h = self.cfg.hidden_size;
         let mut x = self.embed(embed, windows)?;
         for li in 0..self.cfg.num_hidden_layers {
             let dl = self.upload(&layer_weights(li)?);
-            x = self.layer(&dl, x, hook.map(|hk| (hk, li)));
+            x = self.layer(li, &dl, x, hook)?;
         }
         let normw = Tensor::from_data(TensorData::new(norm.to_vec(), [h]), &self.device);
         let xn = rms_norm(x, &normw, self.cfg.rms_norm_eps);
         let v = lm_head.len() / h;
-        let head = tensor2(lm_head.to_vec(), v, h, &self.device);
+        let head: Tensor<2> = Tensor::from_data(TensorData::new(lm_head.to_vec(), [v, h]), &self.device);
         Ok(xn.matmul(head.transpose()))
     }
 }

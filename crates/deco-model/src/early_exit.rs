@@ -93,7 +93,7 @@ pub fn entropy(logits: &[f32]) -> f32 {
     h as f32
 }
 
-use crate::calibrate::to_host as row;
+use crate::host::to_host as row;
 
 impl Llama {
     /// Runs one new token of `seq` with entropy-based early exit (see the

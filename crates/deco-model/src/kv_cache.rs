@@ -81,10 +81,6 @@ enum LayerKv {
     Host { k: Vec<f32>, v: Vec<f32>, kv_heads: usize, head_dim: usize },
 }
 
-fn host3(t: Tensor<3>) -> Result<Vec<f32>> {
-    t.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))
-}
-
 #[derive(Debug, Default)]
 struct SeqCache {
     len: usize,
@@ -162,8 +158,8 @@ impl KvCache for DenseKvCache {
                 let row = kv_heads * head_dim;
                 hk.truncate(s.len * row);
                 hv.truncate(s.len * row);
-                hk.extend(host3(k)?);
-                hv.extend(host3(v)?);
+                hk.extend(crate::host::to_host(k)?);
+                hv.extend(crate::host::to_host(v)?);
                 let shape = [hk.len() / row, kv_heads, head_dim];
                 let merged = (
                     Tensor::from_data(TensorData::new(hk.clone(), shape), &device),
@@ -244,7 +240,7 @@ impl KvCache for DenseKvCache {
                 }
                 let keep = s.len.min(cached);
                 let (ck, cv) = (ck.slice([0..keep, 0..kvh, 0..hd]), cv.slice([0..keep, 0..kvh, 0..hd]));
-                (host3(ck)?, host3(cv)?)
+                (crate::host::to_host(ck)?, crate::host::to_host(cv)?)
             }
             Some(LayerKv::Host { k, v, kv_heads: kh, head_dim: hd }) => {
                 if kh != kv_heads || hd != head_dim {

@@ -7,52 +7,16 @@ use std::sync::{Arc, OnceLock};
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use deco_formats::checkpoint::{Checkpoint, hf_expected_shape, hf_to_gguf_name};
-use deco_formats::config::{Architecture, ModelConfig, RopeScaling};
+use deco_formats::config::{Architecture, ModelConfig};
 use deco_formats::ggml::GgmlType;
 use deco_kernels::attention::{AttnShape, paged_decode_attention};
-use deco_kernels::ops::{RopeTable, rope_inv_freq, swiglu};
-
-use self::dispatch::{causal_gqa_attention, rms_norm};
-
-/// Device dispatch of the per-layer ops: on a GPU device (features `wgpu` / `cuda`) RMSNorm and
-/// prefill attention run the fused CubeCL kernels of `deco_kernels::cube` (a shared-memory
-/// reduction per row; FlashAttention-2 tiles without a `[seq, seq]` matrix); on flex, or when a
-/// kernel refuses a shape, the burn compositions of `deco_kernels::ops` they are tested against.
-mod dispatch {
-    use burn::tensor::Tensor;
-
-    /// `deco_kernels::ops::rms_norm` or its fused kernel. Shapes: `x` `[tokens, hidden]`,
-    /// `weight` `[hidden]`.
-    pub(super) fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if x.device() != burn::tensor::Device::flex()
-            && let Ok(y) = deco_kernels::cube::rms_norm(x.clone(), weight, eps)
-        {
-            return y;
-        }
-        deco_kernels::ops::rms_norm(x, weight, eps)
-    }
-
-    /// `deco_kernels::ops::causal_gqa_attention` or FlashAttention-2 on the device. Shapes: `q`
-    /// `[tokens, heads, head_dim]`, `k`, `v` `[past + tokens, kv_heads, head_dim]`, output
-    /// `[tokens, heads · head_dim]`.
-    pub(super) fn causal_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize) -> Tensor<2> {
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if q.device() != burn::tensor::Device::flex()
-            && let Ok(y) = deco_kernels::cube::flash_attention(q.clone(), k.clone(), v.clone(), past)
-        {
-            return y;
-        }
-        deco_kernels::ops::causal_gqa_attention(q, k, v, past)
-    }
-}
+use deco_kernels::ops::RopeTable;
 use deco_kernels::quant::{BlockType, PackedMatrix};
 
+use crate::decoder::{Attend, Branch, DecoderLayer, LinearWeight, NoHook, Pass, TensorSource, causal_gqa_attention, config_inv_freq, fetch_checked, rms_norm};
+use crate::host::{to_host, to_host_rows, transpose};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::{Error, Result};
-
-/// A source of f32 weights by transformers name: `name -> (row-major shape, values)`.
-pub type TensorSource<'a> = dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)> + 'a;
 
 /// One sequence's new tokens in a batched forward. Their positions continue the sequence's cache:
 /// `cache.seq_len(seq) ..`.
@@ -92,37 +56,7 @@ impl ForwardOutput {
     /// # Errors
     /// [`Error::TensorRead`] if the device read fails.
     pub fn logits_rows(&self) -> Result<Vec<Vec<f32>>> {
-        let [rows, vocab] = self.logits.dims();
-        let flat = crate::calibrate::to_host(self.logits.clone())?;
-        Ok((0..rows).map(|r| flat[r * vocab..(r + 1) * vocab].to_vec()).collect())
-    }
-}
-
-/// A linear layer's weight: `y = x · Wᵀ` for `x` `[tokens, in]`.
-#[allow(clippy::large_enum_variant)] // a few hundred per model; boxing buys nothing
-#[derive(Debug, Clone)]
-enum Linear {
-    /// f32 on the device, transposed: `[in, out]` (`y = x @ w`).
-    Dense(Tensor<2>),
-    /// GGUF blocks on the host, `[out, in]`, multiplied by the packed CPU kernels of
-    /// [`deco_kernels::quant`] (the activations go to the host and back: `into_data` /
-    /// `from_data`).
-    Packed(Arc<PackedMatrix>),
-}
-
-impl Linear {
-    fn apply(&self, x: Tensor<2>) -> Result<Tensor<2>> {
-        match self {
-            Linear::Dense(w) => Ok(x.matmul(w.clone())),
-            Linear::Packed(m) => {
-                let [n, _] = x.dims();
-                let device = x.device();
-                let xs = crate::calibrate::to_host(x)?;
-                let mut y = vec![0.0f32; n * m.rows()];
-                m.matmul(&xs, n, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
-                Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
-            }
-        }
+        to_host_rows(self.logits.clone())
     }
 }
 
@@ -136,22 +70,6 @@ enum Embedding {
     Packed(Arc<PackedMatrix>),
 }
 
-#[derive(Debug, Clone)]
-struct Layer {
-    attn_norm: Tensor<1>,
-    /// Q, K, V projections fused: out = `q + 2 kv`, in = `hidden`.
-    wqkv: Linear,
-    /// `[q + 2 kv]` when the architecture has attention biases.
-    bqkv: Option<Tensor<1>>,
-    /// out = `hidden`, in = `q`.
-    wo: Linear,
-    ffn_norm: Tensor<1>,
-    /// Gate and up projections fused: out = `2 * intermediate`, in = `hidden`.
-    w_gate_up: Linear,
-    /// out = `hidden`, in = `intermediate`.
-    w_down: Linear,
-}
-
 /// A source of packed weights: `Ok(Some(matrix))` (HF layout `[out, in]`) for a weight kept in
 /// its GGUF blocks, `Ok(None)` for one that must be loaded as f32.
 type PackedSource<'a> = &'a dyn Fn(&str) -> Result<Option<PackedMatrix>>;
@@ -163,10 +81,10 @@ pub struct Llama {
     pub config: ModelConfig,
     device: Device,
     embed: Embedding,
-    layers: Vec<Layer>,
+    layers: Vec<DecoderLayer>,
     norm: Tensor<1>,
     /// The LM head (out = `vocab`, in = `hidden`).
-    head: Linear,
+    head: LinearWeight,
     /// `[hidden, vocab]` f32, built on first use of [`Llama::lm_head`] when `head` is packed.
     lm_head_dense: OnceLock<Tensor<2>>,
     rope: RopeTable,
@@ -228,51 +146,6 @@ fn gguf_packed(ckpt: &Checkpoint, hf_name: &str) -> Result<Option<PackedMatrix>>
     Ok(Some(m.permute_rows(&perm).map_err(|e| Error::InvalidInput(e.to_string()))?))
 }
 
-fn transpose_host(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; data.len()];
-    // Blocked transpose for cache friendliness.
-    const B: usize = 32;
-    for r0 in (0..rows).step_by(B) {
-        for c0 in (0..cols).step_by(B) {
-            for r in r0..(r0 + B).min(rows) {
-                for c in c0..(c0 + B).min(cols) {
-                    out[c * rows + r] = data[r * cols + c];
-                }
-            }
-        }
-    }
-    out
-}
-
-/// Inverse RoPE frequencies for a configuration, with its scaling applied.
-///
-/// Llama 3 scaling follows transformers' `_compute_llama3_parameters`.
-pub fn config_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
-    let base = rope_inv_freq(cfg.head_dim, cfg.rope_theta);
-    match &cfg.rope_scaling {
-        None => base,
-        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
-        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
-            let old = *original_max_position_embeddings as f64;
-            let low_wavelen = old / low_freq_factor;
-            let high_wavelen = old / high_freq_factor;
-            base.iter()
-                .map(|&f| {
-                    let wavelen = 2.0 * std::f64::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
-                        f / factor
-                    } else {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                })
-                .collect()
-        }
-    }
-}
-
 impl Llama {
     /// Loads the weights of `ckpt` onto `device`.
     ///
@@ -317,46 +190,16 @@ impl Llama {
     ) -> Result<Self> {
         let cfg = config.clone();
         let h = cfg.hidden_size;
-        // Every weight is checked against the shape transformers gives it before it is used.
-        let fetch = |name: &str| -> Result<(Vec<usize>, Vec<f32>)> {
-            let (shape, data) = tensor(name)?;
-            let expected = hf_expected_shape(&cfg, name)
-                .ok_or_else(|| Error::InvalidInput(format!("unknown weight name `{name}`")))?;
-            if shape != expected || data.len() != expected.iter().product::<usize>() {
-                return Err(Error::InvalidInput(format!(
-                    "weight `{name}` has shape {shape:?} ({} values), expected {expected:?}",
-                    data.len()
-                )));
-            }
-            Ok((shape, data))
-        };
+        let fetch = |name: &str| fetch_checked(&cfg, tensor, name);
         let get = |name: &str| -> Result<Vec<f32>> { Ok(fetch(name)?.1) };
         let t1 = |v: Vec<f32>| -> Tensor<1> {
             let n = v.len();
             Tensor::from_data(TensorData::new(v, [n]), device)
         };
-        // Loads a `[out, in]` weight and returns it transposed, `[in, out]`, on the host, with
-        // its output size.
-        let get_t = |name: &str| -> Result<(Vec<f32>, usize)> {
-            let (shape, data) = fetch(name)?;
-            let (out, inp) = (shape[0], shape[1]);
-            Ok((transpose_host(&data, out, inp), out))
-        };
-        // Concatenates transposed weights `[in, out_i]` along the output dimension.
-        let cat_cols = |parts: Vec<(Vec<f32>, usize)>, inner: usize| -> Tensor<2> {
-            let total: usize = parts.iter().map(|p| p.1).sum();
-            let mut out = Vec::with_capacity(inner * total);
-            for r in 0..inner {
-                for (data, cols) in &parts {
-                    out.extend_from_slice(&data[r * cols..(r + 1) * cols]);
-                }
-            }
-            Tensor::from_data(TensorData::new(out, [inner, total]), device)
-        };
 
         // The weights `names` stacked along the output dimension: packed when every part is
         // packed with the same block type, dense (transposed, `[in, sum out]`) otherwise.
-        let linear = |names: &[String], inner: usize| -> Result<Linear> {
+        let linear = |names: &[String], inner: usize| -> Result<LinearWeight> {
             if let Some(pk) = packed {
                 let mut parts = Vec::with_capacity(names.len());
                 for n in names {
@@ -368,12 +211,13 @@ impl Llama {
                 if parts.len() == names.len() {
                     let refs: Vec<&PackedMatrix> = parts.iter().collect();
                     if let Ok(m) = PackedMatrix::concat_rows(&refs) {
-                        return Ok(Linear::Packed(Arc::new(m)));
+                        return Ok(LinearWeight::Packed(Arc::new(m)));
                     }
                 }
             }
-            let parts = names.iter().map(|n| get_t(n)).collect::<Result<Vec<_>>>()?;
-            Ok(Linear::Dense(cat_cols(parts, inner)))
+            let parts = names.iter().map(|n| fetch(n)).collect::<Result<Vec<_>>>()?;
+            let refs: Vec<(&[f32], usize)> = parts.iter().map(|(s, d)| (d.as_slice(), s[0])).collect();
+            Ok(LinearWeight::dense_fused(&refs, inner, device))
         };
 
         let packed_embed = match packed {
@@ -383,7 +227,7 @@ impl Llama {
         let (embed, head) = match packed_embed {
             Some(m) => {
                 let head = if cfg.tie_word_embeddings {
-                    Linear::Packed(m.clone())
+                    LinearWeight::Packed(m.clone())
                 } else {
                     linear(&["lm_head.weight".to_string()], h)?
                 };
@@ -392,8 +236,7 @@ impl Llama {
             None => {
                 let embed_data = get("model.embed_tokens.weight")?;
                 let head = if cfg.tie_word_embeddings {
-                    let t = transpose_host(&embed_data, cfg.vocab_size, h);
-                    Linear::Dense(Tensor::from_data(TensorData::new(t, [h, cfg.vocab_size]), device))
+                    LinearWeight::dense_fused(&[(&embed_data, cfg.vocab_size)], h, device)
                 } else {
                     linear(&["lm_head.weight".to_string()], h)?
                 };
@@ -401,7 +244,7 @@ impl Llama {
             }
         };
         let lm_head_dense = OnceLock::new();
-        if let Linear::Dense(w) = &head {
+        if let LinearWeight::Dense(w) = &head {
             let _ = lm_head_dense.set(w.clone());
         }
 
@@ -426,7 +269,7 @@ impl Llama {
             };
             let q = cfg.num_attention_heads * cfg.head_dim;
             let inter = cfg.intermediate_size;
-            layers.push(Layer {
+            layers.push(DecoderLayer {
                 attn_norm: t1(get(&format!("{p}.input_layernorm.weight"))?),
                 wqkv,
                 bqkv,
@@ -540,9 +383,9 @@ impl Llama {
     /// (`4 · hidden · vocab` bytes); the forward pass itself never needs it.
     pub fn lm_head(&self) -> &Tensor<2> {
         self.lm_head_dense.get_or_init(|| match &self.head {
-            Linear::Dense(w) => w.clone(),
-            Linear::Packed(m) => {
-                let t = transpose_host(&m.dequantize(), m.rows(), m.cols());
+            LinearWeight::Dense(w) => w.clone(),
+            LinearWeight::Packed(m) => {
+                let t = transpose(&m.dequantize(), m.rows(), m.cols());
                 Tensor::from_data(TensorData::new(t, [m.cols(), m.rows()]), &self.device)
             }
         })
@@ -604,26 +447,9 @@ impl Llama {
         }
     }
 
-    /// Pre-norm Q, K, V projections of layer `li` with RoPE applied to Q and K.
-    ///
-    /// # Shapes
-    /// `x`: `[tokens, hidden]`; returns q `[tokens, heads, head_dim]`, k and v
-    /// `[tokens, kv_heads, head_dim]`.
-    fn qkv(&self, li: usize, x: Tensor<2>, batch: &Batch) -> Result<(Tensor<3>, Tensor<3>, Tensor<3>)> {
-        let cfg = &self.config;
-        let layer = &self.layers[li];
-        let n = batch.n;
-        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let (qd, kvd) = (heads * hd, kvh * hd);
-        let xn = rms_norm(x, &layer.attn_norm, cfg.rms_norm_eps);
-        let mut qkv = layer.wqkv.apply(xn)?; // [n, q + 2kv]
-        if let Some(b) = &layer.bqkv {
-            qkv = qkv.add(b.clone().unsqueeze_dim::<2>(0));
-        }
-        let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
-        let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
-        let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
-        Ok((self.rope.apply(q, &batch.positions), self.rope.apply(k, &batch.positions), v))
+    /// The decoder stages ([`Pass`]) over a prepared batch.
+    fn pass<'a>(&'a self, batch: &'a Batch) -> Pass<'a> {
+        Pass { cfg: &self.config, rope: &self.rope, positions: &batch.positions }
     }
 
     /// Appends layer `li`'s keys and values for the residual stream `x` (`[tokens, hidden]`) to
@@ -637,15 +463,19 @@ impl Llama {
         inputs: &[SeqInput<'_>],
         cache: &mut dyn KvCache,
     ) -> Result<()> {
-        let (_, k, v) = self.qkv(li, x, batch)?;
+        let pass = self.pass(batch);
+        let layer = &self.layers[li];
+        let xn = pass.norm(layer, Branch::Attention, x);
+        let (_, k, v) = pass.qkv(li, layer, xn, &NoHook)?;
         for (inp, sp) in inputs.iter().zip(&batch.spans) {
             cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
         }
         Ok(())
     }
 
-    /// One decoder layer (pre-norm attention and SwiGLU MLP with residuals) over the batch's
-    /// residual stream `x`, `[tokens, hidden]`; appends the layer's keys and values to `cache`.
+    /// One decoder layer ([`Pass::layer`]: pre-norm attention and SwiGLU MLP with residuals)
+    /// over the batch's residual stream `x`, `[tokens, hidden]`; attention against `cache`, to
+    /// which the layer's keys and values are appended.
     pub(crate) fn layer_forward(
         &self,
         li: usize,
@@ -654,31 +484,8 @@ impl Llama {
         inputs: &[SeqInput<'_>],
         cache: &mut dyn KvCache,
     ) -> Result<Tensor<2>> {
-        let cfg = &self.config;
-        let layer = &self.layers[li];
-        let n = batch.n;
-        let eps = cfg.rms_norm_eps;
-        let inter = cfg.intermediate_size;
-        let (q, k, v) = self.qkv(li, x.clone(), batch)?;
-
-        let fused = self.fused_decode && cache.supports_host_kv() && batch.spans.iter().any(|sp| sp.len == 1);
-        let attn = if fused {
-            self.attention_fused(li, q, k, v, batch, inputs, cache)?
-        } else {
-            let mut outs = Vec::with_capacity(batch.spans.len());
-            for (inp, sp) in inputs.iter().zip(&batch.spans) {
-                let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
-                outs.push(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
-            }
-            if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) }
-        };
-        let x = x.add(layer.wo.apply(attn)?);
-
-        let xn = rms_norm(x.clone(), &layer.ffn_norm, eps);
-        let gu = layer.w_gate_up.apply(xn)?; // [n, 2i]
-        let gate = gu.clone().slice([0..n, 0..inter]);
-        let up = gu.slice([0..n, inter..2 * inter]);
-        Ok(x.add(layer.w_down.apply(swiglu(gate, up))?))
+        let mut attend = CacheAttention { model: self, batch, inputs, cache };
+        self.pass(batch).layer(li, &self.layers[li], x, &mut attend, &NoHook)
     }
 
     /// Attention of layer `li` with the fused CPU decode kernel for the sequences with one new
@@ -701,7 +508,6 @@ impl Llama {
         let cfg = &self.config;
         let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let (qrow, kvrow) = (heads * hd, kvh * hd);
-        let read = |t: Tensor<3>| t.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")));
         let decode: Vec<usize> = (0..batch.spans.len()).filter(|&i| batch.spans[i].len == 1).collect();
         let all_decode = decode.len() == batch.spans.len();
         // The prefill sequences first, through the burn path (their rows are kept by index).
@@ -712,7 +518,7 @@ impl Llama {
                 prefill_out[i] = Some(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
             }
         }
-        let (qh, kh, vh) = (read(q)?, read(k)?, read(v)?);
+        let (qh, kh, vh) = (to_host(q)?, to_host(k)?, to_host(v)?);
         for &i in &decode {
             let r = batch.spans[i].start;
             cache.append_host(li, inputs[i].seq, &kh[r * kvrow..(r + 1) * kvrow], &vh[r * kvrow..(r + 1) * kvrow], kvh, hd)?;
@@ -771,6 +577,33 @@ impl Llama {
             Err(_) => hidden.clone().matmul(self.lm_head().clone()),
         };
         ForwardOutput { logits, hidden, rows }
+    }
+}
+
+/// Attention of a batch against a [`KvCache`]: each sequence's new keys and values are appended
+/// to its cache and its queries attend over everything cached (causal from its past length);
+/// with the fused decode attention on, the one-token sequences go through
+/// [`Llama::attention_fused`].
+struct CacheAttention<'a, 'b> {
+    model: &'a Llama,
+    batch: &'a Batch,
+    inputs: &'a [SeqInput<'b>],
+    cache: &'a mut dyn KvCache,
+}
+
+impl Attend for CacheAttention<'_, '_> {
+    fn attend(&mut self, li: usize, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>) -> Result<Tensor<2>> {
+        let (batch, inputs) = (self.batch, self.inputs);
+        let cache = &mut *self.cache;
+        if self.model.fused_decode && cache.supports_host_kv() && batch.spans.iter().any(|sp| sp.len == 1) {
+            return self.model.attention_fused(li, q, k, v, batch, inputs, cache);
+        }
+        let mut outs = Vec::with_capacity(batch.spans.len());
+        for (inp, sp) in inputs.iter().zip(&batch.spans) {
+            let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
+            outs.push(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
+        }
+        Ok(if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) })
     }
 }
 

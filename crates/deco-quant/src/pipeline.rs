@@ -27,7 +27,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use burn::tensor::{Device, Tensor};
 use deco_formats::config::ModelConfig;
-use deco_model::calibrate::{Calibrator, LayerWeights, Linear, Site, to_host};
+use deco_model::calibrate::{Calibrator, LayerWeights, Linear, Site};
+use deco_model::host::to_host;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -189,15 +190,15 @@ struct Stages {
     y: Tensor<2>,
 }
 
-fn stages(c: &Calibrator, lw: &LayerWeights, x: &Tensor<2>) -> Stages {
+fn stages(c: &Calibrator, lw: &LayerWeights, x: &Tensor<2>) -> Result<Stages> {
     let dl = c.upload(lw);
     let xn = c.attn_in(&dl, x.clone());
-    let att = c.attention(&dl, xn.clone(), None);
-    let x2 = c.attn_residual(&dl, x.clone(), att.clone(), None);
+    let att = c.attention(&dl, xn.clone())?;
+    let x2 = c.attn_residual(&dl, x.clone(), att.clone())?;
     let xn2 = c.mlp_in(&dl, x2.clone());
-    let h = c.swiglu_out(&dl, xn2.clone(), None);
-    let y = c.mlp_residual(&dl, x2.clone(), h.clone(), None);
-    Stages { xn, att, x2, xn2, h, y }
+    let h = c.swiglu_out(&dl, xn2.clone())?;
+    let y = c.mlp_residual(&dl, x2.clone(), h.clone())?;
+    Ok(Stages { xn, att, x2, xn2, h, y })
 }
 
 fn scale_cols(w: &mut [f32], cols: usize, s: &[f32]) {
@@ -277,15 +278,15 @@ fn awq_layer(
     // 1. q/k/v through input_layernorm; objective: the attention block output.
     let s_qkv = search(&[Linear::Q, Linear::K, Linear::V], &xn_h, hid, &mut |cand| {
         let d = c.upload(cand);
-        let a2 = c.attention(&d, st.xn.clone(), None);
-        mse(&c.attn_residual(&d, x.clone(), a2, None), &st.x2)
+        let a2 = c.attention(&d, st.xn.clone())?;
+        mse(&c.attn_residual(&d, x.clone(), a2)?, &st.x2)
     })?;
     // 2. o through v_proj (only when v_proj's output is o_proj's input: no GQA).
     let v_out = Linear::V.dims(cfg).0;
     let s_o = if v_out == qd {
         Some(search(&[Linear::O], &att_h, qd, &mut |cand| {
             let d = c.upload(cand);
-            mse(&c.attn_residual(&d, x.clone(), st.att.clone(), None), &st.x2)
+            mse(&c.attn_residual(&d, x.clone(), st.att.clone())?, &st.x2)
         })?)
     } else {
         None
@@ -293,13 +294,13 @@ fn awq_layer(
     // 3. gate/up through post_attention_layernorm; objective: the MLP output.
     let s_mlp = search(&[Linear::Gate, Linear::Up], &xn2_h, hid, &mut |cand| {
         let d = c.upload(cand);
-        let hc = c.swiglu_out(&d, st.xn2.clone(), None);
-        mse(&c.mlp_residual(&d, st.x2.clone(), hc, None), &st.y)
+        let hc = c.swiglu_out(&d, st.xn2.clone())?;
+        mse(&c.mlp_residual(&d, st.x2.clone(), hc)?, &st.y)
     })?;
     // 4. down through up_proj; objective: down_proj's output.
     let s_down = search(&[Linear::Down], &h_h, inter, &mut |cand| {
         let d = c.upload(cand);
-        mse(&c.mlp_residual(&d, st.x2.clone(), st.h.clone(), None), &st.y)
+        mse(&c.mlp_residual(&d, st.x2.clone(), st.h.clone())?, &st.y)
     })?;
     // apply_scale: norm / s (input side), weight columns · s.
     for (n, s) in lw.attn_norm.iter_mut().zip(&s_qkv) {
@@ -413,20 +414,20 @@ pub fn quantize_model(
                 let xn = c.attn_in(&dl, x.clone());
                 quant(&mut lw, &xn, &[Linear::Q, Linear::K, Linear::V])?;
                 let dl = c.upload(&lw);
-                let a = c.attention(&dl, xn, None);
+                let a = c.attention(&dl, xn)?;
                 quant(&mut lw, &a, &[Linear::O])?;
                 let dl = c.upload(&lw);
-                let x2 = c.attn_residual(&dl, x.clone(), a, None);
+                let x2 = c.attn_residual(&dl, x.clone(), a)?;
                 let xn2 = c.mlp_in(&dl, x2.clone());
                 quant(&mut lw, &xn2, &[Linear::Gate, Linear::Up])?;
                 let dl = c.upload(&lw);
-                let hmid = c.swiglu_out(&dl, xn2, None);
+                let hmid = c.swiglu_out(&dl, xn2)?;
                 quant(&mut lw, &hmid, &[Linear::Down])?;
                 let dl = c.upload(&lw);
-                *x = c.mlp_residual(&dl, x2, hmid, None);
+                *x = c.mlp_residual(&dl, x2, hmid)?;
             }
             (Method::Awq(a), Some((c, x))) => {
-                let st = stages(c, &lw, x);
+                let st = stages(c, &lw, x)?;
                 let k = a.search_windows.clamp(1, windows.len());
                 let lens: Vec<usize> = windows[..k].iter().map(Vec::len).collect();
                 let sub = Calibrator::new(cfg, device, &lens)?;
@@ -441,7 +442,7 @@ pub fn quantize_model(
                 *x = st.y;
             }
             (Method::SmoothQuant { alpha }, Some((c, x))) => {
-                let st = stages(c, &lw, x);
+                let st = stages(c, &lw, x)?;
                 let n = c.tokens();
                 let hid = cfg.hidden_size;
                 for (inp, ls, is_attn) in [(&st.xn, [Linear::Q, Linear::K, Linear::V].as_slice(), true), (&st.xn2, [Linear::Gate, Linear::Up].as_slice(), false)] {
@@ -467,7 +468,7 @@ pub fn quantize_model(
             }
             (Method::LlmInt8 { .. }, cal) => {
                 if let (Some((c, x)), Some(aq)) = (cal, out.act_quant.as_mut()) {
-                    let st = stages(c, &lw, x);
+                    let st = stages(c, &lw, x)?;
                     let n = c.tokens();
                     for (site, t) in [(Site::AttnIn, &st.xn), (Site::AttnOut, &st.att), (Site::MlpIn, &st.xn2), (Site::DownIn, &st.h)] {
                         let [_, cols] = t.dims();
@@ -561,7 +562,7 @@ pub fn layer_output_errors(
         let lw = LayerWeights::fetch(cfg, li, base)?;
         let cands: Vec<LayerWeights> = candidates.iter().map(|t| LayerWeights::fetch(cfg, li, t)).collect::<deco_model::Result<_>>()?;
         let dl = c.upload(&lw);
-        let (inputs, y) = c.layer_capture(&dl, x);
+        let (inputs, y) = c.layer_capture(&dl, x)?;
         let grams: Vec<Vec<f64>> = inputs.iter().map(gram).collect::<Result<_>>()?;
         for l in Linear::ALL {
             let (rows, cols) = l.dims(cfg);

@@ -109,7 +109,7 @@ pub enum ActMode {
     Fixed,
 }
 
-/// Run-time activation quantization of a whole model (a [`deco_model::calibrate::ActHook`]):
+/// Run-time activation quantization of a whole model (a [`deco_model::decoder::LayerHook`]):
 /// what `deco_act_quant.json` beside a fake-quantized W8A8 / LLM.int8() checkpoint describes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ActQuant {
@@ -224,13 +224,13 @@ impl ActQuant {
     }
 }
 
-impl deco_model::calibrate::ActHook for ActQuant {
-    fn apply(&self, layer: usize, site: deco_model::calibrate::Site, x: burn::tensor::Tensor<2>) -> burn::tensor::Tensor<2> {
+impl deco_model::decoder::LayerHook for ActQuant {
+    fn input(&self, layer: usize, site: deco_model::calibrate::Site, x: burn::tensor::Tensor<2>) -> burn::tensor::Tensor<2> {
         let [tokens, cols] = x.dims();
         let device = x.device();
         // On failure to read the tensor back, leave the input unquantized (never happens on the
         // CPU backend; the hook has no error channel).
-        match deco_model::calibrate::to_host(x.clone()) {
+        match deco_model::host::to_host(x.clone()) {
             Ok(h) => {
                 let q = self.apply_host(layer, site, &h, tokens, cols);
                 burn::tensor::Tensor::from_data(burn::tensor::TensorData::new(q, [tokens, cols]), &device)

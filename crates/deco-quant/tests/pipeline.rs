@@ -12,7 +12,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use burn::tensor::Device;
 use deco_formats::config::ModelConfig;
-use deco_model::calibrate::{ActHook, Calibrator, LayerWeights, Linear, to_host};
+use deco_model::calibrate::{Calibrator, LayerWeights, Linear};
+use deco_model::decoder::{LayerHook, NoHook};
+use deco_model::host::to_host;
 use deco_quant::Error;
 use deco_quant::awq::AwqConfig;
 use deco_quant::export::quantize_linears;
@@ -90,13 +92,13 @@ fn windows(seed: u64, n: usize, len: usize) -> Vec<Vec<u32>> {
 }
 
 /// Logits of all positions of `eval` windows through `src` with an optional activation hook.
-fn logits(cfg: &ModelConfig, dev: &Device, src: &deco_quant::pipeline::TensorFn<'_>, eval: &[Vec<u32>], hook: Option<&dyn ActHook>) -> Vec<f32> {
+fn logits(cfg: &ModelConfig, dev: &Device, src: &deco_quant::pipeline::TensorFn<'_>, eval: &[Vec<u32>], hook: Option<&dyn LayerHook>) -> Vec<f32> {
     let lens: Vec<usize> = eval.iter().map(Vec::len).collect();
     let c = Calibrator::new(cfg, dev, &lens).unwrap();
     let (_, embed) = src("model.embed_tokens.weight").unwrap();
     let (_, norm) = src("model.norm.weight").unwrap();
     let mut layers = |li: usize| LayerWeights::fetch(cfg, li, src);
-    to_host(c.forward_logits(eval, &embed, &mut layers, &norm, &embed, hook).unwrap()).unwrap()
+    to_host(c.forward_logits(eval, &embed, &mut layers, &norm, &embed, hook.unwrap_or(&NoHook)).unwrap()).unwrap()
 }
 
 fn err(a: &[f32], b: &[f32]) -> f64 {
@@ -128,11 +130,11 @@ impl Fixture {
     }
 
     /// Logit MSE of a quantized model (with its activation hook, or `hook` if given).
-    fn error(&self, q: &QuantizedModel, hook: Option<&dyn ActHook>) -> f64 {
+    fn error(&self, q: &QuantizedModel, hook: Option<&dyn LayerHook>) -> f64 {
         let src = self.src();
         let base = logits(&self.cfg, &self.dev, &src, &self.eval, None);
         let qs = q.source(&src);
-        let hook = hook.or(q.act_quant.as_ref().map(|a| a as &dyn ActHook));
+        let hook = hook.or(q.act_quant.as_ref().map(|a| a as &dyn LayerHook));
         err(&logits(&self.cfg, &self.dev, &qs, &self.eval, hook), &base)
     }
 }
@@ -248,7 +250,7 @@ fn layer_output_errors_match_direct_products() {
     let n = c.tokens();
     for li in 0..LAYERS {
         let lw = LayerWeights::fetch(&f.cfg, li, &src).unwrap();
-        let (inputs, y) = c.layer_capture(&c.upload(&lw), x);
+        let (inputs, y) = c.layer_capture(&c.upload(&lw), x).unwrap();
         for l in Linear::ALL {
             let (o, i) = l.dims(&f.cfg);
             let xin = to_host(inputs[l.site() as usize].clone()).unwrap();

@@ -734,7 +734,7 @@ impl Engine {
             let logits = o.logits_rows()?;
             let hidden = if with_hidden {
                 let [rows, h] = o.hidden.dims();
-                let flat = deco_model::calibrate::to_host(o.hidden)?;
+                let flat = deco_model::host::to_host(o.hidden)?;
                 (0..rows).map(|r| flat[r * h..(r + 1) * h].to_vec()).collect()
             } else {
                 Vec::new()

@@ -366,9 +366,6 @@ impl PagedKvCache {
     }
 }
 
-fn host(t: Tensor<3>) -> deco_model::Result<Vec<f32>> {
-    t.try_into_vec_as::<f32>().map_err(|e| deco_model::Error::TensorRead(format!("{e:?}")))
-}
 
 impl KvCache for PagedKvCache {
     fn seq_len(&self, seq: SeqId) -> usize {
@@ -392,7 +389,7 @@ impl KvCache for PagedKvCache {
             let len = self.seq_len(seq);
             self.reserve(seq, len + n).map_err(model_err)?;
         }
-        let (kh_data, vh_data) = (host(k)?, host(v)?);
+        let (kh_data, vh_data) = (deco_model::host::to_host(k)?, deco_model::host::to_host(v)?);
         let (ko, vo) = self.write_and_gather(layer, seq, &kh_data, &vh_data, n).map_err(model_err)?;
         let total = ko.len() / self.token_floats();
         let shape = [total, kv_heads, head_dim];

@@ -1,0 +1,446 @@
+//! The one Llama / Qwen2 decoder layer, shared by inference, quantization calibration and
+//! training.
+//!
+//! A decoder layer (transformers `LlamaDecoderLayer` / `Qwen2DecoderLayer`; Touvron et al. 2023,
+//! §2.2) is, for the residual stream `x` `[tokens, hidden]`:
+//!
+//! ```text
+//! xn  = rms_norm(x, input_layernorm)                       site AttnIn  (q/k/v_proj input)
+//! q, k, v = split(xn · Wqkvᵀ + bqkv); q, k = rope(q), rope(k)
+//! att = attention(q, k, v)                                 site AttnOut (o_proj input)
+//! x2  = x + branch(att · Woᵀ)
+//! xn2 = rms_norm(x2, post_attention_layernorm)             site MlpIn   (gate/up_proj input)
+//! h   = silu(xn2 · Wgᵀ) ⊙ (xn2 · Wuᵀ)                      site DownIn  (down_proj input)
+//! y   = x2 + branch(h · Wdᵀ)
+//! ```
+//!
+//! [`Pass`] runs these stages; what differs between its users is given to it:
+//! - the weights, through [`LayerParams`]: [`DecoderLayer`] (f32 on the device or packed GGUF
+//!   blocks: `crate::Llama` and `crate::calibrate::Calibrator`), or burn `Param`s of a trainable
+//!   model (`deco_compress::student::StudentModel`);
+//! - the attention over keys and values, through [`Attend`]: the KV cache of `crate::Llama`
+//!   (incremental decoding, batched sequences at different positions) or [`WindowAttention`]
+//!   (independent windows from position 0, no cache: calibration and training);
+//! - a [`LayerHook`] that sees (and may replace) the input of the linear layers at each
+//!   [`Site`] and each residual branch: the activation observers of the quantizers, run-time
+//!   activation quantization (SmoothQuant W8A8, LLM.int8()) and the structural masks of pruning.
+//!
+//! On a GPU device (features `wgpu` / `cuda`), RMSNorm and prefill attention run the fused
+//! CubeCL kernels of `deco_kernels::cube`; on the CPU, on an autodiff device (no backward for
+//! the kernels), or when a kernel refuses a shape, the burn compositions of `deco_kernels::ops`
+//! they are tested against.
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use deco_formats::checkpoint::hf_expected_shape;
+use deco_formats::config::{ModelConfig, RopeScaling};
+use deco_kernels::ops::{RopeTable, rope_inv_freq, swiglu};
+use deco_kernels::quant::PackedMatrix;
+use std::sync::Arc;
+
+use crate::{Error, Result};
+
+/// Where a linear layer reads its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Site {
+    /// The input RMSNorm output (q/k/v_proj).
+    AttnIn,
+    /// The attention output (o_proj).
+    AttnOut,
+    /// The post-attention RMSNorm output (gate/up_proj).
+    MlpIn,
+    /// The SwiGLU output (down_proj).
+    DownIn,
+}
+
+impl Site {
+    /// All four, in execution order.
+    pub const ALL: [Site; 4] = [Site::AttnIn, Site::AttnOut, Site::MlpIn, Site::DownIn];
+}
+
+/// The two residual branches of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Branch {
+    /// Attention: `att · Woᵀ`, added to `x`.
+    Attention,
+    /// MLP: `h · Wdᵀ`, added to `x2`.
+    Mlp,
+}
+
+/// The four (fused) projections of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Proj {
+    /// q_proj, k_proj, v_proj fused: `[tokens, hidden] → [tokens, q + 2·kv]`.
+    Qkv,
+    /// o_proj: `[tokens, q] → [tokens, hidden]`.
+    O,
+    /// gate_proj, up_proj fused: `[tokens, hidden] → [tokens, 2·intermediate]`.
+    GateUp,
+    /// down_proj: `[tokens, intermediate] → [tokens, hidden]`.
+    Down,
+}
+
+/// Observes or transforms the activations of a layer as [`Pass`] runs it. Both methods default
+/// to the identity. They take `&self` so that one hook can serve every layer of a pass while
+/// others hold it; a hook that records uses interior mutability ([`Capture`]).
+pub trait LayerHook {
+    /// The input the linear layers at `site` of layer `layer` actually see, same shape as `x`
+    /// (`[tokens, in]`): return `x` to observe only (calibration statistics), or a transformed
+    /// copy (activation quantization, a head or neuron mask).
+    fn input(&self, layer: usize, site: Site, x: Tensor<2>) -> Tensor<2> {
+        let _ = (layer, site);
+        x
+    }
+
+    /// A residual branch's output before it is added to the stream, `[tokens, hidden]` (layer
+    /// and hidden-dimension masks).
+    fn branch(&self, layer: usize, branch: Branch, y: Tensor<2>) -> Tensor<2> {
+        let _ = (layer, branch);
+        y
+    }
+}
+
+/// The identity hook.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoHook;
+
+impl LayerHook for NoHook {}
+
+/// A hook that keeps the input of every site of the layers it sees: the last input seen at each
+/// site (`[tokens, in]`).
+#[derive(Debug, Default)]
+pub struct Capture {
+    captured: std::cell::RefCell<[Option<Tensor<2>>; 4]>,
+}
+
+impl Capture {
+    /// The captured inputs in [`Site::ALL`] order, `None` for a site not run.
+    pub fn into_inputs(self) -> [Option<Tensor<2>>; 4] {
+        self.captured.into_inner()
+    }
+}
+
+impl LayerHook for Capture {
+    fn input(&self, _layer: usize, site: Site, x: Tensor<2>) -> Tensor<2> {
+        self.captured.borrow_mut()[site as usize] = Some(x.clone());
+        x
+    }
+}
+
+/// The weights of one decoder layer, however they are held.
+pub trait LayerParams {
+    /// The RMSNorm weight before a branch, `[hidden]`: `input_layernorm` for
+    /// [`Branch::Attention`], `post_attention_layernorm` for [`Branch::Mlp`].
+    fn norm(&self, branch: Branch) -> Tensor<1>;
+
+    /// Q/K/V biases concatenated, `[q + 2·kv]` (Qwen2), or `None`.
+    fn qkv_bias(&self) -> Option<Tensor<1>>;
+
+    /// `x · Wᵀ` for one projection (shapes in [`Proj`]).
+    ///
+    /// # Errors
+    /// A packed kernel's shape refusal or a failed device read.
+    fn project(&self, proj: Proj, x: Tensor<2>) -> Result<Tensor<2>>;
+}
+
+/// Attention of one layer over its keys and values.
+pub trait Attend {
+    /// Attends `q` `[tokens, heads, head_dim]` (RoPE applied) over the keys and values that
+    /// `k`, `v` `[tokens, kv_heads, head_dim]` (this pass's tokens, RoPE applied to `k`) add to
+    /// whatever the implementation holds; returns `[tokens, heads · head_dim]`, causal.
+    ///
+    /// # Errors
+    /// The cache's errors (full pool, unknown sequence).
+    fn attend(&mut self, layer: usize, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>) -> Result<Tensor<2>>;
+}
+
+/// Causal attention within independent windows of one token matrix, each starting at position
+/// 0, with no cache: the attention of calibration (GPTQ's and llm-awq's layer-by-layer runs) and
+/// of training on full sequences.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowAttention<'a> {
+    /// `(first row, length)` of each window, in row order, covering the matrix.
+    pub spans: &'a [(usize, usize)],
+}
+
+impl Attend for WindowAttention<'_> {
+    fn attend(&mut self, _layer: usize, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>) -> Result<Tensor<2>> {
+        if let [(0, _)] = self.spans {
+            return Ok(causal_gqa_attention(q, k, v, 0));
+        }
+        let [_, heads, hd] = q.dims();
+        let [_, kvh, _] = k.dims();
+        let outs: Vec<Tensor<2>> = self
+            .spans
+            .iter()
+            .map(|&(s, len)| {
+                let r = s..s + len;
+                causal_gqa_attention(
+                    q.clone().slice([r.clone(), 0..heads, 0..hd]),
+                    k.clone().slice([r.clone(), 0..kvh, 0..hd]),
+                    v.clone().slice([r, 0..kvh, 0..hd]),
+                    0,
+                )
+            })
+            .collect();
+        Ok(Tensor::cat(outs, 0))
+    }
+}
+
+/// One forward pass's shared inputs: the configuration, the RoPE table and the absolute
+/// position of every token row. Its methods are the stages of a decoder layer (see the module
+/// docs); [`Pass::layer`] runs them all.
+#[derive(Debug, Clone, Copy)]
+pub struct Pass<'a> {
+    /// Hyper-parameters.
+    pub cfg: &'a ModelConfig,
+    /// cos/sin tables covering every position of `positions`.
+    pub rope: &'a RopeTable,
+    /// `[tokens]`: the position of each row of the residual stream.
+    pub positions: &'a Tensor<1, Int>,
+}
+
+impl Pass<'_> {
+    /// `rms_norm(x, norm(branch))`: the input of the branch's first projections,
+    /// `[tokens, hidden]`.
+    pub fn norm(&self, w: &dyn LayerParams, branch: Branch, x: Tensor<2>) -> Tensor<2> {
+        rms_norm(x, &w.norm(branch), self.cfg.rms_norm_eps)
+    }
+
+    /// Q, K, V of layer `layer` from the normalized input `xn` `[tokens, hidden]` (site
+    /// [`Site::AttnIn`]), with the bias and RoPE applied: q `[tokens, heads, head_dim]`, k and v
+    /// `[tokens, kv_heads, head_dim]`.
+    ///
+    /// # Errors
+    /// [`LayerParams::project`]'s.
+    pub fn qkv(&self, layer: usize, w: &dyn LayerParams, xn: Tensor<2>, hook: &dyn LayerHook) -> Result<(Tensor<3>, Tensor<3>, Tensor<3>)> {
+        let cfg = self.cfg;
+        let [n, _] = xn.dims();
+        let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (qd, kvd) = (heads * hd, kvh * hd);
+        let mut qkv = w.project(Proj::Qkv, hook.input(layer, Site::AttnIn, xn))?;
+        if let Some(b) = w.qkv_bias() {
+            qkv = qkv.add(b.unsqueeze_dim::<2>(0));
+        }
+        let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
+        let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
+        let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
+        Ok((self.rope.apply(q, self.positions), self.rope.apply(k, self.positions), v))
+    }
+
+    /// `x + branch(att · Woᵀ)`: the residual stream after attention, from the attention output
+    /// `att` `[tokens, q]` (site [`Site::AttnOut`]).
+    ///
+    /// # Errors
+    /// [`LayerParams::project`]'s.
+    pub fn attn_residual(&self, layer: usize, w: &dyn LayerParams, x: Tensor<2>, att: Tensor<2>, hook: &dyn LayerHook) -> Result<Tensor<2>> {
+        let o = w.project(Proj::O, hook.input(layer, Site::AttnOut, att))?;
+        Ok(x.add(hook.branch(layer, Branch::Attention, o)))
+    }
+
+    /// `silu(xn2 · Wgᵀ) ⊙ (xn2 · Wuᵀ)` from the normalized `xn2` `[tokens, hidden]` (site
+    /// [`Site::MlpIn`]): the input of down_proj, `[tokens, intermediate]`.
+    ///
+    /// # Errors
+    /// [`LayerParams::project`]'s.
+    pub fn mlp_act(&self, layer: usize, w: &dyn LayerParams, xn2: Tensor<2>, hook: &dyn LayerHook) -> Result<Tensor<2>> {
+        let (n, i) = (xn2.dims()[0], self.cfg.intermediate_size);
+        let gu = w.project(Proj::GateUp, hook.input(layer, Site::MlpIn, xn2))?;
+        Ok(swiglu(gu.clone().slice([0..n, 0..i]), gu.slice([0..n, i..2 * i])))
+    }
+
+    /// `x2 + branch(h · Wdᵀ)`: the layer's output, from the SwiGLU output `h` (site
+    /// [`Site::DownIn`]).
+    ///
+    /// # Errors
+    /// [`LayerParams::project`]'s.
+    pub fn mlp_residual(&self, layer: usize, w: &dyn LayerParams, x2: Tensor<2>, h: Tensor<2>, hook: &dyn LayerHook) -> Result<Tensor<2>> {
+        let d = w.project(Proj::Down, hook.input(layer, Site::DownIn, h))?;
+        Ok(x2.add(hook.branch(layer, Branch::Mlp, d)))
+    }
+
+    /// The whole layer `layer` over the residual stream `x` `[tokens, hidden]`, attention by
+    /// `attend`: returns `[tokens, hidden]`.
+    ///
+    /// # Errors
+    /// The weights' and `attend`'s errors.
+    pub fn layer(&self, layer: usize, w: &dyn LayerParams, x: Tensor<2>, attend: &mut dyn Attend, hook: &dyn LayerHook) -> Result<Tensor<2>> {
+        let xn = self.norm(w, Branch::Attention, x.clone());
+        let (q, k, v) = self.qkv(layer, w, xn, hook)?;
+        let att = attend.attend(layer, q, k, v)?;
+        let x2 = self.attn_residual(layer, w, x, att, hook)?;
+        let xn2 = self.norm(w, Branch::Mlp, x2.clone());
+        let h = self.mlp_act(layer, w, xn2, hook)?;
+        self.mlp_residual(layer, w, x2, h, hook)
+    }
+}
+
+/// A linear layer's weight for `y = x · Wᵀ`, `x` `[tokens, in]`.
+#[allow(clippy::large_enum_variant)] // a few hundred per model; boxing buys nothing
+#[derive(Debug, Clone)]
+pub enum LinearWeight {
+    /// f32 on the device, transposed: `[in, out]` (`y = x @ w`).
+    Dense(Tensor<2>),
+    /// GGUF blocks on the host, `[out, in]`, multiplied by the packed CPU kernels of
+    /// [`deco_kernels::quant`] (the activations go to the host and back).
+    Packed(Arc<PackedMatrix>),
+}
+
+impl LinearWeight {
+    /// `x · Wᵀ`: `[tokens, in] → [tokens, out]`.
+    ///
+    /// # Errors
+    /// [`Error::TensorRead`] for a failed host read of `x` (packed), [`Error::InvalidInput`] for
+    /// a packed kernel's shape refusal.
+    pub fn apply(&self, x: Tensor<2>) -> Result<Tensor<2>> {
+        match self {
+            LinearWeight::Dense(w) => Ok(x.matmul(w.clone())),
+            LinearWeight::Packed(m) => {
+                let [n, _] = x.dims();
+                let device = x.device();
+                let xs = crate::host::to_host(x)?;
+                let mut y = vec![0.0f32; n * m.rows()];
+                m.matmul(&xs, n, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
+                Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
+            }
+        }
+    }
+}
+
+impl LinearWeight {
+    /// A dense weight from transformers weights `[out_i, inner]` (host, row-major) that read the
+    /// same input, fused along the output dimension ([`crate::host::fuse_transposed`]) and
+    /// uploaded to `device` as `[inner, Σ out_i]`.
+    pub fn dense_fused(parts: &[(&[f32], usize)], inner: usize, device: &Device) -> Self {
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        let fused = crate::host::fuse_transposed(parts, inner);
+        LinearWeight::Dense(Tensor::from_data(TensorData::new(fused, [inner, total]), device))
+    }
+}
+
+/// One decoder layer's weights as the model runs them: norms on the device, Q/K/V and gate/up
+/// fused along the output dimension, each projection dense on the device or packed.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    /// `[hidden]`: `input_layernorm.weight`.
+    pub attn_norm: Tensor<1>,
+    /// out = `q + 2·kv`, in = `hidden`.
+    pub wqkv: LinearWeight,
+    /// `[q + 2·kv]` when the architecture has attention biases.
+    pub bqkv: Option<Tensor<1>>,
+    /// out = `hidden`, in = `q`.
+    pub wo: LinearWeight,
+    /// `[hidden]`: `post_attention_layernorm.weight`.
+    pub ffn_norm: Tensor<1>,
+    /// out = `2·intermediate`, in = `hidden`.
+    pub w_gate_up: LinearWeight,
+    /// out = `hidden`, in = `intermediate`.
+    pub w_down: LinearWeight,
+}
+
+impl LayerParams for DecoderLayer {
+    fn norm(&self, branch: Branch) -> Tensor<1> {
+        match branch {
+            Branch::Attention => self.attn_norm.clone(),
+            Branch::Mlp => self.ffn_norm.clone(),
+        }
+    }
+
+    fn qkv_bias(&self) -> Option<Tensor<1>> {
+        self.bqkv.clone()
+    }
+
+    fn project(&self, proj: Proj, x: Tensor<2>) -> Result<Tensor<2>> {
+        match proj {
+            Proj::Qkv => self.wqkv.apply(x),
+            Proj::O => self.wo.apply(x),
+            Proj::GateUp => self.w_gate_up.apply(x),
+            Proj::Down => self.w_down.apply(x),
+        }
+    }
+}
+
+/// A source of f32 weights by transformers name: `name -> (row-major shape, values)`.
+pub type TensorSource<'a> = dyn Fn(&str) -> Result<(Vec<usize>, Vec<f32>)> + 'a;
+
+/// Reads weight `name` from `tensor` and checks it against the shape transformers gives it
+/// under `cfg` (`deco_formats::checkpoint::hf_expected_shape`).
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming the weight for an unknown name or a wrong shape or length;
+/// the source's own errors.
+pub fn fetch_checked(cfg: &ModelConfig, tensor: &TensorSource<'_>, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+    let (shape, data) = tensor(name)?;
+    let expected = hf_expected_shape(cfg, name).ok_or_else(|| Error::InvalidInput(format!("unknown weight name `{name}`")))?;
+    if shape != expected || data.len() != expected.iter().product::<usize>() {
+        return Err(Error::InvalidInput(format!(
+            "weight `{name}` has shape {shape:?} ({} values), expected {expected:?}",
+            data.len()
+        )));
+    }
+    Ok((shape, data))
+}
+
+/// Inverse RoPE frequencies for a configuration, with its scaling applied (`head_dim / 2`
+/// values, radians per position).
+///
+/// Llama 3 scaling follows transformers' `_compute_llama3_parameters`; linear scaling divides
+/// every frequency by its factor.
+pub fn config_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
+    let base = rope_inv_freq(cfg.head_dim, cfg.rope_theta);
+    match &cfg.rope_scaling {
+        None => base,
+        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            let old = *original_max_position_embeddings as f64;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+/// Whether `x` lives on a device whose fused CubeCL kernels apply: a GPU device without
+/// autodiff (the kernels have no backward pass).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn on_kernel_device<const D: usize>(x: &Tensor<D>) -> bool {
+    let d = x.device();
+    d != burn::tensor::Device::flex() && !d.is_autodiff()
+}
+
+/// RMSNorm of every row (Zhang & Sennrich 2019): `deco_kernels::ops::rms_norm`, or its fused
+/// CubeCL kernel on a GPU device without autodiff. Shapes: `x` `[tokens, hidden]`, `weight`
+/// `[hidden]`.
+pub fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if on_kernel_device(&x)
+        && let Ok(y) = deco_kernels::cube::rms_norm(x.clone(), weight, eps)
+    {
+        return y;
+    }
+    deco_kernels::ops::rms_norm(x, weight, eps)
+}
+
+/// `deco_kernels::ops::causal_gqa_attention` or FlashAttention-2 on the device. Shapes: `q`
+/// `[tokens, heads, head_dim]`, `k`, `v` `[past + tokens, kv_heads, head_dim]`, output
+/// `[tokens, heads · head_dim]`.
+pub(crate) fn causal_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize) -> Tensor<2> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if on_kernel_device(&q)
+        && let Ok(y) = deco_kernels::cube::flash_attention(q.clone(), k.clone(), v.clone(), past)
+    {
+        return y;
+    }
+    deco_kernels::ops::causal_gqa_attention(q, k, v, past)
+}

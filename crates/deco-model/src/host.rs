@@ -1,0 +1,92 @@
+//! Host-side tensor helpers shared by the model, the quantizers and the trainers: device reads
+//! and the row-major layout changes that weight loading needs.
+
+use burn::tensor::Tensor;
+
+use crate::{Error, Result};
+
+/// Copies a tensor of any rank to the host as f32, row-major (`[d0, d1, ..]` → `d0 · d1 · ..`
+/// values).
+///
+/// # Errors
+/// [`Error::TensorRead`] if the device read fails (or the tensor is not f32-convertible).
+pub fn to_host<const D: usize>(t: Tensor<D>) -> Result<Vec<f32>> {
+    t.try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))
+}
+
+/// Copies a `[rows, cols]` tensor to the host, one `Vec` per row.
+///
+/// # Errors
+/// As [`to_host`].
+pub fn to_host_rows(t: Tensor<2>) -> Result<Vec<Vec<f32>>> {
+    let [_, cols] = t.dims();
+    Ok(to_host(t)?.chunks(cols.max(1)).map(<[f32]>::to_vec).collect())
+}
+
+/// Transposes a row-major `[rows, cols]` buffer into `[cols, rows]` (blocked for cache reuse).
+///
+/// # Panics
+/// Never for `data.len() == rows · cols`; shorter data panics on the index (callers check the
+/// shape first).
+pub fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; data.len()];
+    const B: usize = 32;
+    for r0 in (0..rows).step_by(B) {
+        for c0 in (0..cols).step_by(B) {
+            for r in r0..(r0 + B).min(rows) {
+                for c in c0..(c0 + B).min(cols) {
+                    out[c * rows + r] = data[r * cols + c];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Fuses linear weights that read the same input (Q/K/V, gate/up) into one transposed matrix.
+///
+/// Each part is a transformers weight `[out_i, inner]` (row-major) with its `out_i`; the result
+/// is `[inner, Σ out_i]` row-major, so `y = x @ fused` gives the parts' outputs side by side in
+/// the order given (`deco_model::Llama`'s and the trainers' layout).
+pub fn fuse_transposed(parts: &[(&[f32], usize)], inner: usize) -> Vec<f32> {
+    let transposed: Vec<(Vec<f32>, usize)> = parts.iter().map(|&(w, out)| (transpose(w, out, inner), out)).collect();
+    if let [(only, _)] = transposed.as_slice() {
+        return only.clone();
+    }
+    let total: usize = parts.iter().map(|p| p.1).sum();
+    let mut fused = Vec::with_capacity(inner * total);
+    for r in 0..inner {
+        for (t, cols) in &transposed {
+            fused.extend_from_slice(&t[r * cols..(r + 1) * cols]);
+        }
+    }
+    fused
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose_matches_the_definition() {
+        for (rows, cols) in [(1, 1), (3, 5), (33, 70), (64, 1)] {
+            let data: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let t = transpose(&data, rows, cols);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(t[c * rows + r], data[r * cols + c]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_columns_are_the_parts_side_by_side() {
+        // Two weights [2, 3] and [1, 3]: fused [3, 3] has column j = row j of the stack.
+        let a = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let b = [7.0, 8.0, 9.0];
+        let f = fuse_transposed(&[(&a, 2), (&b, 1)], 3);
+        assert_eq!(f, vec![1.0, 4.0, 7.0, 2.0, 5.0, 8.0, 3.0, 6.0, 9.0]);
+        assert_eq!(fuse_transposed(&[(&a, 2)], 3), transpose(&a, 2, 3));
+    }
+}
