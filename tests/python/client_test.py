@@ -9,6 +9,8 @@ Checks, each against an independent value:
 - chat completions go through the chat template (prompt_tokens equals the golden chat prompt);
 - n, logprobs (greedy token is the top alternative; probabilities sum <= 1), stop strings;
 - a seeded sampled request gives the same text alone and inside a batch of 16 concurrent ones;
+- HTTP 400 with an OpenAI error body (naming the field) for unknown or unsupported fields and
+  message roles;
 - HTTP 400 with an OpenAI error body for unknown model, bad JSON, out-of-range params, prompt
   over the context, a json_schema without a schema, `tools` for SmolLM2 (its chat template
   renders no tools: refused, never ignored; tool calls are tested on Qwen2.5 in
@@ -200,9 +202,15 @@ def main():
         (dict(tools=[tool]), "tools", "does not render tools"),
         (dict(tool_choice="required"), "tool_choice", "only allowed when tools are given"),
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "json_schema.schema"),
+        # A field deco does not implement is named, never ignored (a vLLM extension deco lacks,
+        # a misspelling).
+        (dict(extra_body={"guided_choice": ["yes", "no"]}), "guided_choice", "unsupported request field"),
+        (dict(extra_body={"temprature": 0.5}), "temprature", "unsupported request field"),
+        (dict(messages=[{"role": "narrator", "content": "hi"}]), "messages", "role `narrator`"),
     ]:
         try:
-            client.chat.completions.create(model=model, messages=msgs, max_tokens=2, **kwargs)
+            kwargs = {"messages": msgs, **kwargs}
+            client.chat.completions.create(model=model, max_tokens=2, **kwargs)
             raise AssertionError(f"{param}: expected HTTP 400")
         except openai.BadRequestError as e:
             check(e.status_code == 400 and e.body.get("param") == param and needle in e.body["message"], f"{param}: body {e.body}")

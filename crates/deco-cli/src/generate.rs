@@ -12,9 +12,11 @@ use deco_decoding::{SamplingParams, StopStringMatcher};
 use deco_formats::chat_template::{ChatMessage, ChatTemplate};
 use deco_formats::checkpoint::Checkpoint;
 
+use deco_formats::tokenizer::Tokenizer;
 use deco_generate::{
     BeamSearchParams, ContrastiveDecodingParams, EarlyStopping, LlamaSession, ModelDrafter, PromptLookupDrafter,
 };
+use deco_serve::{EngineConfig, EngineEvent, GenerateRequest, Strategy as EngineStrategy};
 use deco_model::early_exit::{EarlyExitConfig, EarlyExitStats};
 use deco_model::{DenseKvCache, Llama, LogitsWanted, SeqInput};
 
@@ -168,6 +170,47 @@ pub struct GenerateArgs {
     /// With --trace-decoding: also plot T and P per token to this SVG file.
     #[arg(long, requires = "trace_decoding")]
     trace_plot: Option<PathBuf>,
+}
+
+/// One choice returned by [`run_on_engine`].
+struct EngineChoice {
+    text: String,
+    /// Tokens generated (an end token included).
+    tokens: usize,
+    cumulative_logprob: f64,
+}
+
+/// Runs one request on the serving engine (`deco_serve::engine`, the decode loop `deco serve`
+/// runs) with a KV pool sized for `width` parallel sequences of the request; returns its choices
+/// in index order and the number of forward passes the engine ran.
+fn run_on_engine(model: &Llama, tok: &Tokenizer, req: GenerateRequest, width: usize) -> Result<(Vec<EngineChoice>, u64)> {
+    let block_size = EngineConfig::default().block_size;
+    let per_seq = (req.prompt.len() + req.params.max_new_tokens.unwrap_or(0)).div_ceil(block_size) + 1;
+    let config = EngineConfig { num_blocks: per_seq * (width + 1) + 1, max_n: req.n.max(1), ..EngineConfig::default() };
+    let n = req.n;
+    let (engine, join) = deco_serve::spawn_engine(model.clone(), std::sync::Arc::new(tok.clone()), config)?;
+    let (_, mut rx) = engine.submit(req)?;
+    let mut choices: Vec<Option<EngineChoice>> = (0..n).map(|_| None).collect();
+    let mut texts = vec![String::new(); n];
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            EngineEvent::Delta { index, text, .. } => texts[index].push_str(&text),
+            EngineEvent::Finished { index, completion_tokens, cumulative_logprob, .. } => {
+                let text = std::mem::take(&mut texts[index]);
+                choices[index] = Some(EngineChoice { text, tokens: completion_tokens, cumulative_logprob: cumulative_logprob.unwrap_or(f64::NAN) });
+                if choices.iter().all(Option::is_some) {
+                    break;
+                }
+            }
+            EngineEvent::Failed(e) => bail!("generation failed: {e}"),
+        }
+    }
+    let steps = engine.metrics.steps.load(std::sync::atomic::Ordering::Relaxed);
+    drop(rx);
+    drop(engine);
+    let _ = join.join();
+    let choices: Option<Vec<EngineChoice>> = choices.into_iter().collect();
+    Ok((choices.context("the engine stopped before every choice finished")?, steps))
 }
 
 fn load_second(path: &std::path::Path, model: &Llama) -> Result<Llama> {
@@ -326,26 +369,34 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let mut extra = String::new();
     let (num_tokens, first_at) = match strategy {
         Strategy::Beam => {
+            if args.ignore_eos {
+                bail!("--ignore-eos is not supported with beam search");
+            }
+            if !args.stop.is_empty() || args.logprobs.is_some() {
+                bail!("--stop and --logprobs are not supported with beam search");
+            }
             let beam = BeamSearchParams {
                 num_beams: args.num_beams,
                 length_penalty: args.length_penalty,
                 early_stopping: args.early_stopping.parse::<EarlyStopping>()?,
                 num_return_sequences: args.n,
             };
-            let out = deco_generate::beam_search(&mut LlamaSession::new(&model), &prompt_ids, &params, &beam, &eos)?;
+            let req = GenerateRequest { prompt: prompt_ids.clone(), params: params.clone(), n: args.n, constraint: None, strategy: Some(EngineStrategy::Beam(beam)) };
+            let (choices, steps) = run_on_engine(&model, &tok, req, args.num_beams)?;
             let mut total = 0;
-            for (i, h) in out.sequences.iter().enumerate() {
-                if out.sequences.len() > 1 {
-                    println!("--- beam {i} score={:.4} sum_logprobs={:.4}", h.score, h.sum_logprobs);
+            let mut out = std::io::stdout().lock();
+            for (i, c) in choices.iter().enumerate() {
+                if choices.len() > 1 {
+                    let score = c.cumulative_logprob / (c.tokens as f64).powf(f64::from(args.length_penalty));
+                    writeln!(out, "--- beam {i} score={score:.4} sum_logprobs={:.4}", c.cumulative_logprob)?;
                 }
-                let mut p = new_printer()?;
-                p.push(&h.tokens);
-                p.finish()?;
-                total = total.max(h.tokens.len());
+                writeln!(out, "{}", c.text)?;
+                total = total.max(c.tokens);
             }
-            extra = format!(" forward_calls={}", out.forward_calls);
-            if let Some(best) = out.sequences.first() {
-                extra.push_str(&format!(" best_sum_logprobs={:.6} best_score={:.6} best_tokens={}", best.sum_logprobs, best.score, best.tokens.len()));
+            extra = format!(" forward_calls={steps}");
+            if let Some(best) = choices.first() {
+                let score = best.cumulative_logprob / (best.tokens as f64).powf(f64::from(args.length_penalty));
+                extra.push_str(&format!(" best_sum_logprobs={:.6} best_score={score:.6} best_tokens={}", best.cumulative_logprob, best.tokens));
             }
             (total, None)
         }

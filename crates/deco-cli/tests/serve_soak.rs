@@ -8,16 +8,7 @@ mod soak;
 /// The `deco` binary under test on SmolLM2 with a `kv_cache_mib` pool, its log in `dir`; no
 /// soak or drain requests.
 fn config(dir: &std::path::Path, kv_cache_mib: usize) -> soak::Config {
-    soak::Config {
-        deco: env!("CARGO_BIN_EXE_deco").into(),
-        model: deco_tests::smollm2_gguf(),
-        requests: 0,
-        clients: 0,
-        seed: 0,
-        kv_cache_mib,
-        drain_streams: 0,
-        log: soak::log_path(dir),
-    }
+    soak::server_only(env!("CARGO_BIN_EXE_deco").into(), deco_tests::smollm2_gguf(), dir, kv_cache_mib)
 }
 
 #[test]

@@ -133,6 +133,15 @@ fn check_range(
 }
 
 impl SamplingParams {
+    /// The JSON field names a [`SamplingParams`] reads (its serde names), so that a request
+    /// parser can refuse any other field instead of ignoring it.
+    pub const FIELDS: &'static [&'static str] = &[
+        "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+        "repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size", "logit_bias",
+        "bad_words_ids", "min_new_tokens", "max_new_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
+        "seed", "logprobs",
+    ];
+
     /// Parses a JSON object (unknown fields ignored) and validates it.
     ///
     /// # Errors

@@ -119,6 +119,41 @@ fn params_parse_openai_shapes_and_ignore_unknown_fields() {
     assert_eq!(json, r#"{"top_k":5}"#);
 }
 
+/// `SamplingParams::FIELDS` is exactly the set of keys serde writes for a fully set value, so a
+/// request parser that refuses other keys refuses nothing deco reads.
+#[test]
+fn fields_list_is_the_serde_field_set() {
+    let full = SamplingParams {
+        do_sample: Some(true),
+        temperature: Some(1.0),
+        top_k: Some(1),
+        top_p: Some(1.0),
+        min_p: Some(0.0),
+        typical_p: Some(1.0),
+        epsilon_cutoff: Some(0.0),
+        eta_cutoff: Some(0.0),
+        repetition_penalty: Some(1.0),
+        frequency_penalty: Some(0.0),
+        presence_penalty: Some(0.0),
+        no_repeat_ngram_size: Some(0),
+        logit_bias: Some(Default::default()),
+        bad_words_ids: Some(vec![]),
+        min_new_tokens: Some(0),
+        max_new_tokens: Some(1),
+        stop: Some(vec![]),
+        stop_token_ids: Some(vec![]),
+        include_stop_str_in_output: Some(false),
+        seed: Some(0),
+        logprobs: Some(0),
+    };
+    let v = serde_json::to_value(&full).unwrap();
+    let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    let mut fields = SamplingParams::FIELDS.to_vec();
+    keys.sort_unstable();
+    fields.sort_unstable();
+    assert_eq!(keys, fields);
+}
+
 #[test]
 fn chain_order_follows_hugging_face_and_llama_cpp() {
     let p = SamplingParams::from_json_str(

@@ -27,6 +27,57 @@ fn no_sink() -> impl FnMut(&[u32]) -> bool {
     |_: &[u32]| false
 }
 
+/// What a beam search released: its hypotheses, best first, and the forward passes it took.
+struct BeamOut {
+    sequences: Vec<BeamHypothesis>,
+    forward_calls: usize,
+}
+
+/// Test harness for the [`BeamSearch`] step machine on a fake model: applies its operations to
+/// `lm` (local sequence ids used as the model's ids) and feeds it the rows, one forward per
+/// step, as the serving engine does with its paged cache (without other requests in the batch).
+/// Also checks the protocol: every choice is released exactly once, finished, and nothing is
+/// left in the model's cache.
+fn beam_search(lm: &mut FnLm, prompt: &[u32], params: &SamplingParams, beam: &BeamSearchParams, eos: &[u32]) -> Result<BeamOut> {
+    let mut m = BeamSearch::new(prompt, params, beam, eos, lm.max_context())?;
+    let first = lm.forward(&[(0, prompt)], deco_model::LogitsWanted::Last, false)?.logits;
+    let mut rows = vec![SeqRows { seq: 0, logits: first[0].clone() }];
+    let mut forwards = 1;
+    let mut live = std::collections::BTreeSet::from([0u32]);
+    loop {
+        let step = m.advance(rows)?;
+        let mut feeds = Vec::new();
+        for op in step.ops {
+            match op {
+                Op::Fork { from, to } => {
+                    assert!(live.contains(&from) && live.insert(to), "fork {from} -> {to}");
+                    lm.fork(u64::from(from), u64::from(to))?;
+                }
+                Op::Remove(seq) => {
+                    assert!(live.remove(&seq), "remove {seq}");
+                    lm.remove(u64::from(seq));
+                }
+                Op::Feed { seq, tokens } => feeds.push((seq, tokens)),
+            }
+        }
+        if feeds.is_empty() {
+            assert!(live.is_empty(), "sequences left: {live:?}");
+            assert_eq!(step.output.len(), m.num_choices());
+            for (i, c) in step.output.iter().enumerate() {
+                assert_eq!(c.index, i);
+                assert!(c.finish.is_some());
+                assert_eq!(c.tokens, m.hypotheses()[i].tokens);
+            }
+            return Ok(BeamOut { sequences: m.hypotheses().to_vec(), forward_calls: forwards });
+        }
+        assert!(step.output.is_empty(), "beam search released output before its end");
+        let inputs: Vec<(SeqId, &[u32])> = feeds.iter().map(|(s, t)| (u64::from(*s), t.as_slice())).collect();
+        let logits = lm.forward(&inputs, deco_model::LogitsWanted::Last, false)?.logits;
+        forwards += 1;
+        rows = feeds.iter().zip(logits).map(|((seq, _), logits)| SeqRows { seq: *seq, logits }).collect();
+    }
+}
+
 /// All complete sequences (ending in EOS, or of length `max_len`) with their sum of log-probs.
 fn brute_force(vocab: usize, eos: u32, max_len: usize, prompt: &[u32], salt: u64) -> Vec<(Vec<u32>, f64)> {
     let mut out = Vec::new();

@@ -12,6 +12,14 @@
 //! `n > 1`: the prompt is prefilled once; when it completes, the sequence is forked
 //! ([`PagedKvCache::fork`], copy-on-write) into `n` sequences, each with its own sampler (seed
 //! `seed + i` when the request is seeded).
+//!
+//! Strategies other than sampling ([`Strategy`]: beam search, ...) are
+//! [`deco_generate::StepMachine`]s. Their sequences are ordinary scheduler and cache sequences:
+//! the prompt's is prefilled as above; the machine's forks, feeds and removals
+//! ([`deco_generate::Op`]) become cache forks, scheduled tokens and freed blocks, so a beam
+//! group runs in the same batched forward as every other request, shares its prompt blocks
+//! copy-on-write, and can be preempted and recomputed. The engine advances a machine once every
+//! sequence it fed is computed (a barrier per request step) and streams the choices it releases.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,6 +33,8 @@ use deco_decoding::{
 use deco_formats::tokenizer::Tokenizer;
 use deco_model::{Llama, LogitsWanted, SeqId, SeqInput};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use deco_generate::{BeamSearch, BeamSearchParams, Local, Op, SeqRows, StepMachine};
 
 use crate::paged_cache::{CacheShape, PagedKvCache};
 use crate::structured::Constraint;
@@ -97,9 +107,21 @@ pub enum EngineEvent {
         /// scheduled (OpenAI's `usage.prompt_tokens_details.cached_tokens`; the same for every
         /// choice of the request).
         cached_prompt_tokens: usize,
+        /// The strategy's sum of log-probabilities of the choice's tokens, when it keeps one
+        /// (beam search); `None` for sampling.
+        cumulative_logprob: Option<f64>,
     },
     /// The request failed inside the engine; no further events follow.
     Failed(String),
+}
+
+/// A decoding strategy run by the engine as a [`StepMachine`] (plain sampling and greedy
+/// decoding are the engine's own per-token path).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Strategy {
+    /// Beam search with Hugging Face semantics ([`BeamSearch`]); `num_return_sequences` is the
+    /// request's `n`.
+    Beam(BeamSearchParams),
 }
 
 /// A generation request.
@@ -114,6 +136,15 @@ pub struct GenerateRequest {
     /// Structured-output constraint (compiled by [`crate::Grammars::compile`]); each of the `n`
     /// sequences gets its own copy of its state.
     pub constraint: Option<Constraint>,
+    /// A strategy other than sampling; `None` samples (greedy at temperature 0).
+    pub strategy: Option<Strategy>,
+}
+
+impl GenerateRequest {
+    /// A sampling request without constraint.
+    pub fn sample(prompt: Vec<u32>, params: SamplingParams, n: usize) -> Self {
+        Self { prompt, params, n, constraint: None, strategy: None }
+    }
 }
 
 /// Bucket bounds (seconds) of `vllm:time_to_first_token_seconds`, as vLLM's
@@ -350,7 +381,7 @@ impl Metrics {
 }
 
 enum Command {
-    Add { id: u64, req: Box<GenerateRequest>, events: UnboundedSender<EngineEvent>, arrival: Instant },
+    Add { id: u64, req: Box<GenerateRequest>, machine: Option<Box<dyn StepMachine>>, events: UnboundedSender<EngineEvent>, arrival: Instant },
     Abort(u64),
 }
 
@@ -364,6 +395,7 @@ pub struct EngineHandle {
     config: EngineConfig,
     max_context: usize,
     stopping: Arc<AtomicBool>,
+    eos: Arc<Vec<u32>>,
 }
 
 impl std::fmt::Debug for Command {
@@ -422,6 +454,7 @@ impl EngineHandle {
                 "the request needs {total} tokens of KV cache but the server's pool holds {capacity}"
             )));
         }
+        let machine = self.machine(&req)?;
         let pending = self.metrics.pending_requests.fetch_add(1, Ordering::SeqCst);
         if pending >= self.config.max_pending_requests {
             self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
@@ -429,11 +462,38 @@ impl EngineHandle {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (etx, erx) = unbounded_channel();
-        if self.tx.send(Command::Add { id, req: Box::new(req), events: etx, arrival: Instant::now() }).is_err() {
+        if self.tx.send(Command::Add { id, req: Box::new(req), machine, events: etx, arrival: Instant::now() }).is_err() {
             self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::EngineStopped);
         }
         Ok((id, erx))
+    }
+
+    /// The step machine of a request's strategy, checked against the request and the pool.
+    fn machine(&self, req: &GenerateRequest) -> Result<Option<Box<dyn StepMachine>>> {
+        let Some(strategy) = req.strategy else { return Ok(None) };
+        if req.constraint.is_some() {
+            return Err(Error::InvalidRequest("structured output (response_format, guided_*, tools) works with sampling only, not with beam search".into()));
+        }
+        match strategy {
+            Strategy::Beam(b) => {
+                let beam = BeamSearchParams { num_return_sequences: req.n, ..b };
+                // Every beam may hold its own copy of the whole context at the end (no sharing
+                // assumed): the group must fit in the pool, or it would preempt itself forever.
+                let bs = self.config.block_size;
+                let per_beam = (req.prompt.len() + req.params.max_new_tokens.unwrap_or(0)).div_ceil(bs) + 1;
+                let need = per_beam * (beam.num_beams + 1);
+                if need > self.config.num_blocks {
+                    return Err(Error::InvalidRequest(format!(
+                        "beam search with {} beams needs up to {need} KV blocks, the server's pool has {}",
+                        beam.num_beams, self.config.num_blocks
+                    )));
+                }
+                let m = BeamSearch::new(&req.prompt, &req.params, &beam, &self.eos, self.max_context)
+                    .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+                Ok(Some(Box::new(m)))
+            }
+        }
     }
 
     /// Cancels a request (its blocks are freed at the next step). Dropping the event receiver
@@ -518,6 +578,21 @@ struct ReqState {
     first_token_seen: bool,
     /// Prompt tokens found in the prefix cache when it was first scheduled.
     cached_tokens: Option<usize>,
+    /// The step machine of a [`Strategy`] request.
+    machine: Option<MachineState>,
+}
+
+/// A request driven by a [`StepMachine`].
+struct MachineState {
+    machine: Box<dyn StepMachine>,
+    /// Request-local sequence ids to engine ids.
+    seqs: HashMap<Local, SeqId>,
+    /// Sequences fed since the last advance, in feeding order.
+    fed: Vec<Local>,
+    /// The last-token logits of fed sequences, by local id.
+    rows: HashMap<Local, Vec<f32>>,
+    /// Per choice: its detokenizer and the tokens released so far.
+    choices: Vec<(Detok, usize)>,
 }
 
 struct Engine {
@@ -529,6 +604,8 @@ struct Engine {
     metrics: Arc<Metrics>,
     reqs: HashMap<u64, ReqState>,
     seqs: HashMap<SeqId, SeqState>,
+    /// Sequences of step-machine requests: their request and local id.
+    machine_seqs: HashMap<SeqId, (u64, Local)>,
     next_seq: SeqId,
     eos: Vec<u32>,
     /// AutoDeco heads: when present, every sampled token uses the predicted temperature and
@@ -591,6 +668,7 @@ pub fn spawn_engine_with(
         config,
         max_context: model.max_context(),
         stopping: Arc::new(AtomicBool::new(false)),
+        eos: Arc::new(tokenizer.eos_token_ids().to_vec()),
     };
     let eos = tokenizer.eos_token_ids().to_vec();
     let mut engine = Engine {
@@ -602,6 +680,7 @@ pub fn spawn_engine_with(
         metrics,
         reqs: HashMap::new(),
         seqs: HashMap::new(),
+        machine_seqs: HashMap::new(),
         next_seq: 1,
         eos,
         autodeco,
@@ -649,7 +728,7 @@ impl Engine {
     fn command(&mut self, cmd: Command) {
         match cmd {
             Command::Abort(id) => self.cancel(id),
-            Command::Add { id, req, events, arrival } => {
+            Command::Add { id, req, machine, events, arrival } => {
                 let req = *req;
                 let params = req.params;
                 let make = || -> Result<(StoppingCriteria, Sampler, StopStringMatcher)> {
@@ -670,7 +749,15 @@ impl Engine {
                 let sid = self.next_seq;
                 self.next_seq += 1;
                 self.sched.add(sid, req.prompt.clone());
-                self.seqs.insert(sid, SeqState { req: id, index: 0, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None, constraint: req.constraint });
+                let machine = machine.map(|m| {
+                    self.machine_seqs.insert(sid, (id, 0));
+                    let choices = (0..m.num_choices()).map(|_| (Detok::default(), 0)).collect();
+                    MachineState { machine: m, seqs: HashMap::from([(0, sid)]), fed: vec![0], rows: HashMap::new(), choices }
+                });
+                if machine.is_none() {
+                    self.seqs.insert(sid, SeqState { req: id, index: 0, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None, constraint: req.constraint });
+                }
+                let n = machine.as_ref().map_or(req.n, |m| m.choices.len());
                 self.reqs.insert(
                     id,
                     ReqState {
@@ -679,12 +766,13 @@ impl Engine {
                         want_logprobs: params.logprobs,
                         params,
                         stopping,
-                        n: req.n,
-                        forked: req.n == 1,
+                        n,
+                        forked: n == 1 || machine.is_some(),
                         seqs: vec![sid],
                         arrival,
                         first_token_seen: false,
                         cached_tokens: None,
+                        machine,
                     },
                 );
             }
@@ -694,6 +782,12 @@ impl Engine {
     fn drop_seq(&mut self, sid: SeqId) {
         self.sched.remove(sid, &mut self.cache);
         self.seqs.remove(&sid);
+        self.machine_seqs.remove(&sid);
+    }
+
+    /// The request a sequence belongs to.
+    fn req_of(&self, sid: SeqId) -> Option<u64> {
+        self.seqs.get(&sid).map(|s| s.req).or_else(|| self.machine_seqs.get(&sid).map(|&(r, _)| r))
     }
 
     fn cancel(&mut self, id: u64) {
@@ -721,10 +815,11 @@ impl Engine {
         for c in &plan.chunks {
             self.cache.record_tokens(c.seq, &c.tokens);
             // A request's first chunk starts after the prompt tokens the prefix cache held.
-            if let Some(r) = self.seqs.get(&c.seq).and_then(|s| self.reqs.get_mut(&s.req)) {
+            let req = self.req_of(c.seq);
+            if let Some(r) = req.and_then(|r| self.reqs.get_mut(&r)) {
                 r.cached_tokens.get_or_insert(c.start);
             }
-            let prompt_len = self.seqs.get(&c.seq).and_then(|s| self.reqs.get(&s.req)).map_or(0, |r| r.prompt.len());
+            let prompt_len = req.and_then(|r| self.reqs.get(&r)).map_or(0, |r| r.prompt.len());
             let prompt_part = prompt_len.saturating_sub(c.start).min(c.tokens.len());
             self.metrics.prompt_tokens_computed.fetch_add(prompt_part as u64, Ordering::Relaxed);
         }
@@ -733,9 +828,7 @@ impl Engine {
         let out = self.model.forward(&inputs, &mut self.cache, LogitsWanted::Last).and_then(|o| {
             let logits = o.logits_rows()?;
             let hidden = if with_hidden {
-                let [rows, h] = o.hidden.dims();
-                let flat = deco_model::host::to_host(o.hidden)?;
-                (0..rows).map(|r| flat[r * h..(r + 1) * h].to_vec()).collect()
+                deco_model::host::to_host_rows(o.hidden)?
             } else {
                 Vec::new()
             };
@@ -747,16 +840,26 @@ impl Engine {
             Err(e) => {
                 self.metrics.step_errors.fetch_add(1, Ordering::Relaxed);
                 let msg = format!("forward pass failed: {e}");
-                let reqs: Vec<u64> = plan.chunks.iter().filter_map(|c| self.seqs.get(&c.seq).map(|s| s.req)).collect();
+                let reqs: Vec<u64> = plan.chunks.iter().filter_map(|c| self.req_of(c.seq)).collect();
                 for r in reqs {
                     self.fail(r, msg.clone());
                 }
                 return;
             }
         };
+        let mut machine_reqs = Vec::new();
         for (ci, (c, row)) in plan.chunks.iter().zip(rows).enumerate() {
             self.sched.computed(c.seq, c.tokens.len());
             if !c.samples {
+                continue;
+            }
+            if let Some(&(req_id, local)) = self.machine_seqs.get(&c.seq) {
+                if let Some(m) = self.reqs.get_mut(&req_id).and_then(|r| r.machine.as_mut()) {
+                    m.rows.insert(local, row);
+                    if !machine_reqs.contains(&req_id) {
+                        machine_reqs.push(req_id);
+                    }
+                }
                 continue;
             }
             let Some(req_id) = self.seqs.get(&c.seq).map(|s| s.req) else { continue };
@@ -803,6 +906,124 @@ impl Engine {
                 }
             }
         }
+        for req_id in machine_reqs {
+            self.advance_machine(req_id);
+        }
+    }
+
+    /// Advances the step machine of `req_id` if every sequence it fed has its row and is still
+    /// fully computed (a sequence preempted after reporting is waited for again), then applies
+    /// its cache operations and releases its output.
+    fn advance_machine(&mut self, req_id: u64) {
+        let Some(r) = self.reqs.get_mut(&req_id) else { return };
+        let Some(m) = r.machine.as_mut() else { return };
+        let sched = &self.sched;
+        let ready = m.fed.iter().all(|l| {
+            m.rows.contains_key(l) && m.seqs.get(l).and_then(|&sid| sched.get(sid)).is_some_and(|s| s.num_computed == s.tokens.len())
+        });
+        if !ready {
+            return;
+        }
+        let rows: Vec<SeqRows> = m.fed.drain(..).filter_map(|seq| m.rows.remove(&seq).map(|logits| SeqRows { seq, logits })).collect();
+        m.rows.clear();
+        let step = match m.machine.advance(rows) {
+            Ok(s) => s,
+            Err(e) => return self.fail(req_id, e.to_string()),
+        };
+        let last = step.is_final();
+        if let Err(e) = self.apply_ops(req_id, step.ops) {
+            return self.fail(req_id, format!("strategy step: {e}"));
+        }
+        if let Err(e) = self.release(req_id, step.output) {
+            return self.fail(req_id, e.to_string());
+        }
+        if last && let Some(r) = self.reqs.remove(&req_id) {
+            for sid in r.seqs {
+                self.drop_seq(sid);
+            }
+            self.metrics.latency.e2e_request_latency.observe(r.arrival.elapsed().as_secs_f64());
+            self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
+            self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Applies a step machine's cache operations to the scheduler and the paged cache.
+    fn apply_ops(&mut self, req_id: u64, ops: Vec<Op>) -> Result<()> {
+        let unknown = |l: Local| Error::InvalidRequest(format!("the strategy used sequence {l}, which it does not hold"));
+        for op in ops {
+            let Some(r) = self.reqs.get_mut(&req_id) else { return Ok(()) };
+            let Some(m) = r.machine.as_mut() else { return Ok(()) };
+            match op {
+                Op::Fork { from, to } => {
+                    let src = *m.seqs.get(&from).ok_or_else(|| unknown(from))?;
+                    if m.seqs.contains_key(&to) {
+                        return Err(Error::InvalidRequest(format!("the strategy forked into sequence {to}, which exists")));
+                    }
+                    let child = self.next_seq;
+                    self.next_seq += 1;
+                    self.cache.fork(src, child)?;
+                    let tokens = self.sched.get(src).map(|s| s.tokens.clone()).unwrap_or_default();
+                    let num_computed = tokens.len();
+                    self.sched.add_running(SchedSeq { id: child, tokens, num_computed });
+                    m.seqs.insert(to, child);
+                    r.seqs.push(child);
+                    self.machine_seqs.insert(child, (req_id, to));
+                }
+                Op::Feed { seq, tokens } => {
+                    let sid = *m.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+                    for t in tokens {
+                        self.sched.push_token(sid, t);
+                    }
+                    m.fed.push(seq);
+                }
+                Op::Remove(seq) => {
+                    let sid = m.seqs.remove(&seq).ok_or_else(|| unknown(seq))?;
+                    r.seqs.retain(|&x| x != sid);
+                    self.drop_seq(sid);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a step machine's released choices to the client: the text of their tokens (an end
+    /// token is counted, not shown) and, for finished choices, their end.
+    fn release(&mut self, req_id: u64, output: Vec<deco_generate::Choice>) -> Result<()> {
+        let Some(r) = self.reqs.get_mut(&req_id) else { return Ok(()) };
+        let Some(m) = r.machine.as_mut() else { return Ok(()) };
+        let now = Instant::now();
+        for c in output {
+            let Some((detok, released)) = m.choices.get_mut(c.index) else {
+                return Err(Error::InvalidRequest(format!("the strategy released choice {}, the request has {}", c.index, m.choices.len())));
+            };
+            if !r.first_token_seen && !c.tokens.is_empty() {
+                r.first_token_seen = true;
+                self.metrics.latency.time_to_first_token.observe(now.duration_since(r.arrival).as_secs_f64());
+                self.metrics.prompt_tokens.fetch_add(r.prompt.len() as u64, Ordering::Relaxed);
+            }
+            *released += c.tokens.len();
+            self.metrics.generation_tokens.fetch_add(c.tokens.len() as u64, Ordering::Relaxed);
+            let mut text = String::new();
+            let mut tokens = Vec::with_capacity(c.tokens.len());
+            for &t in c.tokens.iter().filter(|t| !self.eos.contains(t)) {
+                text.push_str(&detok.step(&self.tokenizer, t)?);
+                tokens.push(TokenInfo { id: t, logprob: None, top: Vec::new() });
+            }
+            if c.finish.is_some() {
+                text.push_str(&detok.flush(&self.tokenizer)?);
+            }
+            let _ = r.events.send(EngineEvent::Delta { index: c.index, text, tokens });
+            if let Some(reason) = c.finish {
+                let cached_prompt_tokens = r.cached_tokens.unwrap_or(0);
+                let _ = r.events.send(EngineEvent::Finished { index: c.index, reason, completion_tokens: *released, cached_prompt_tokens, cumulative_logprob: c.cumulative_logprob });
+                match reason {
+                    FinishReason::Length => &self.metrics.finished_length,
+                    FinishReason::Stop | FinishReason::EosToken => &self.metrics.finished_stop,
+                }
+                .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
     }
 
     fn sample_one(&mut self, sid: SeqId, row: &mut [f32], hidden: Option<&[f32]>) -> Result<()> {
@@ -889,7 +1110,7 @@ impl Engine {
         match finish {
             None => self.sched.push_token(sid, out.token),
             Some(reason) => {
-                let _ = events.send(EngineEvent::Finished { index, reason, completion_tokens: n_gen, cached_prompt_tokens });
+                let _ = events.send(EngineEvent::Finished { index, reason, completion_tokens: n_gen, cached_prompt_tokens, cumulative_logprob: None });
                 match reason {
                     FinishReason::Length => &self.metrics.finished_length,
                     FinishReason::Stop | FinishReason::EosToken => &self.metrics.finished_stop,

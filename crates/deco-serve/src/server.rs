@@ -45,11 +45,12 @@ use deco_decoding::{FinishReason, SamplingParams};
 use deco_formats::chat_template::{ChatMessage, ChatTemplate};
 use deco_formats::tokenizer::Tokenizer;
 use futures_util::stream::{self, BoxStream, StreamExt};
+use deco_generate::{BeamSearchParams, EarlyStopping};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{EngineEvent, EngineHandle, GenerateRequest, TokenInfo};
-use crate::openai::{ChatRequest, CompletionRequest, Content, Prompt, error_body, sampling_params};
+use crate::engine::{EngineEvent, EngineHandle, GenerateRequest, Strategy, TokenInfo};
+use crate::openai::{CHAT_KEYS, COMPLETION_KEYS, ChatRequest, CompletionRequest, Content, Prompt, ROLES, error_body, sampling_params, unknown_field};
 use crate::structured::{Constraint, Grammars, OutputConstraint};
 use crate::tools::{self, ToolCallParser, ToolError, ToolFormat, ToolRequest};
 use crate::{Error, Result};
@@ -144,7 +145,7 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     kind: &'static str,
-    param: Option<&'static str>,
+    param: Option<String>,
     code: Option<&'static str>,
 }
 
@@ -163,8 +164,8 @@ impl ApiError {
         Self { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: None, code: None }
     }
 
-    fn param(mut self, p: &'static str) -> Self {
-        self.param = Some(p);
+    fn param(mut self, p: impl Into<String>) -> Self {
+        self.param = Some(p.into());
         self
     }
 }
@@ -183,7 +184,7 @@ impl From<Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(error_body(&self.message, self.kind, self.param, self.code))).into_response()
+        (self.status, Json(error_body(&self.message, self.kind, self.param.as_deref(), self.code))).into_response()
     }
 }
 
@@ -378,6 +379,8 @@ pub struct PreparedRequest {
     /// How the output is read back into tool calls (chat requests with tools, unless
     /// `tool_choice` is `none`).
     pub tool_output: Option<tools::ToolOutput>,
+    /// The decoding strategy when not sampling (`num_beams > 1`: beam search).
+    pub strategy: Option<Strategy>,
     default_max: DefaultMax,
 }
 
@@ -406,6 +409,68 @@ fn parse_body(body: &[u8]) -> ApiResult<Value> {
         return Err(ApiError::bad("the request body must be a JSON object"));
     }
     Ok(v)
+}
+
+/// Reads the strategy fields of a request under Hugging Face's names: `num_beams` (> 1 selects
+/// beam search, with `n` as `num_return_sequences`), `length_penalty`, `early_stopping` (`true`,
+/// `false` or `"never"`). What beam search cannot honour is refused, naming the field: sampling
+/// (`temperature > 0`, `do_sample`, the warpers `top_k`, `top_p`, `min_p`, `typical_p`,
+/// `epsilon_cutoff`, `eta_cutoff`), `stop` strings, `logprobs`, `n > num_beams`, and the beam
+/// fields without `num_beams > 1`.
+fn parse_strategy(v: &Value, params: &SamplingParams, n: usize) -> ApiResult<Option<Strategy>> {
+    let field = |k: &str| v.get(k).filter(|x| !x.is_null());
+    let num_beams = match field("num_beams") {
+        None => 1,
+        Some(x) => x.as_u64().filter(|&b| b >= 1).ok_or_else(|| ApiError::bad("num_beams must be a positive integer").param("num_beams"))? as usize,
+    };
+    if num_beams == 1 {
+        for k in ["length_penalty", "early_stopping"] {
+            if field(k).is_some() {
+                return Err(ApiError::bad(format!("{k} applies to beam search only; set num_beams > 1")).param(k));
+            }
+        }
+        return Ok(None);
+    }
+    let length_penalty = match field("length_penalty") {
+        None => 1.0,
+        Some(x) => x.as_f64().filter(|f| f.is_finite()).ok_or_else(|| ApiError::bad("length_penalty must be a finite number").param("length_penalty"))? as f32,
+    };
+    let early_stopping = match field("early_stopping") {
+        None => EarlyStopping::False,
+        Some(Value::Bool(true)) => EarlyStopping::True,
+        Some(Value::Bool(false)) => EarlyStopping::False,
+        Some(Value::String(s)) if s == "never" => EarlyStopping::Never,
+        Some(_) => return Err(ApiError::bad("early_stopping must be true, false or \"never\"").param("early_stopping")),
+    };
+    if n > num_beams {
+        return Err(ApiError::bad(format!("n ({n}) must not exceed num_beams ({num_beams}): beam search returns its best n beams")).param("n"));
+    }
+    if params.do_sample == Some(true) || params.temperature.is_some_and(|t| t > 0.0) {
+        return Err(ApiError::bad("beam search is deterministic (Hugging Face do_sample=False); beam sampling is not implemented: set temperature to 0 or leave it out").param("temperature"));
+    }
+    let unsupported = [
+        ("top_k", params.top_k.is_some_and(|k| k > 0)),
+        ("top_p", params.top_p.is_some_and(|p| p < 1.0)),
+        ("min_p", params.min_p.is_some_and(|p| p > 0.0)),
+        ("typical_p", params.typical_p.is_some_and(|p| p < 1.0)),
+        ("epsilon_cutoff", params.epsilon_cutoff.is_some_and(|p| p > 0.0)),
+        ("eta_cutoff", params.eta_cutoff.is_some_and(|p| p > 0.0)),
+        ("stop", params.stop.as_ref().is_some_and(|s| !s.is_empty())),
+        ("logprobs", params.logprobs.is_some()),
+    ];
+    if let Some((k, _)) = unsupported.iter().find(|w| w.1) {
+        return Err(ApiError::bad(format!("{k} is not supported with beam search (num_beams > 1)")).param(*k));
+    }
+    Ok(Some(Strategy::Beam(BeamSearchParams { num_beams, length_penalty, early_stopping, num_return_sequences: n })))
+}
+
+/// Refuses a request field deco does not implement (a strategy not served yet such as
+/// `penalty_alpha`, `echo` on chat, a misspelling) with a 400 naming it, instead of ignoring it.
+fn refuse_unknown_fields(v: &Value, endpoint_keys: &[&str]) -> ApiResult<()> {
+    match unknown_field(v, endpoint_keys) {
+        Some(k) => Err(ApiError::bad(format!("unsupported request field `{k}`: deco serve does not implement it, and ignoring it would change the meaning of the request")).param(k)),
+        None => Ok(()),
+    }
 }
 
 /// Refuses tool fields on `/v1/completions` instead of ignoring them: tool calls are a chat
@@ -530,7 +595,7 @@ fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
         params.max_new_tokens = Some(max);
         prompt_tokens += prompt.len();
         // Receivers already obtained are dropped on error, which cancels those requests.
-        let (_, rx) = st.engine.submit(GenerateRequest { prompt, params, n: prep.n, constraint: prep.constraint.clone() })?;
+        let (_, rx) = st.engine.submit(GenerateRequest { prompt, params, n: prep.n, constraint: prep.constraint.clone(), strategy: prep.strategy })?;
         rxs.push(rx);
     }
     Ok(Submitted { rxs, prompt_tokens, n: prep.n, tool_output })
@@ -587,7 +652,7 @@ async fn collect(sub: Submitted) -> ApiResult<(Vec<ChoiceAcc>, Usage)> {
                     a.text.push_str(&text);
                     a.tokens.extend(tokens);
                 }
-                EngineEvent::Finished { index, reason, completion_tokens, cached_prompt_tokens } => {
+                EngineEvent::Finished { index, reason, completion_tokens, cached_prompt_tokens, .. } => {
                     let a = &mut accs[pi * n + index];
                     a.finish = Some(reason);
                     a.completion_tokens = completion_tokens;
@@ -708,7 +773,7 @@ fn sse_stream(st: Arc<ServerState>, sub: Submitted, kind: Kind, id: String, incl
                         };
                         s.queue.push_back((s.chunk)(json!([choice]), None));
                     }
-                    Some((pi, EngineEvent::Finished { index, reason, completion_tokens, cached_prompt_tokens })) => {
+                    Some((pi, EngineEvent::Finished { index, reason, completion_tokens, cached_prompt_tokens, .. })) => {
                         let idx = pi * n + index;
                         s.completion.insert(idx, completion_tokens);
                         s.cached.insert(pi, cached_prompt_tokens);
@@ -760,6 +825,7 @@ pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::
     let req: CompletionRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid completion request: {e}")))?;
     check_model(st, req.model.as_deref())?;
     refuse_completion_tools(&v)?;
+    refuse_unknown_fields(&v, COMPLETION_KEYS)?;
     let constraint = compile_constraint(st, &v)?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
     if req.echo == Some(true) {
@@ -782,6 +848,7 @@ pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::
     }
     params.logprobs = req.logprobs;
     params.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    let strategy = parse_strategy(&v, &params, n)?;
     let prompts: Vec<Vec<u32>> = match req.prompt {
         Prompt::Text(t) => vec![st.tokenizer.encode_with(&t, true, true).map_err(Error::from)?],
         Prompt::Texts(ts) => ts.iter().map(|t| st.tokenizer.encode_with(t, true, true)).collect::<std::result::Result<_, _>>().map_err(Error::from)?,
@@ -804,6 +871,7 @@ pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::
         want_logprobs: req.logprobs.is_some(),
         constraint,
         tool_output: None,
+        strategy,
         default_max: DefaultMax::Fixed(16),
     })
 }
@@ -862,6 +930,10 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
     let v = parse_body(body)?;
     let req: ChatRequest = serde_json::from_value(v.clone()).map_err(|e| ApiError::bad(format!("invalid chat request: {e}")))?;
     check_model(st, req.model.as_deref())?;
+    refuse_unknown_fields(&v, CHAT_KEYS)?;
+    if let Some(m) = req.messages.iter().find(|m| !ROLES.contains(&m.role.as_str())) {
+        return Err(ApiError::bad(format!("message role `{}` is not supported (expected one of {})", m.role, ROLES.join(", "))).param("messages"));
+    }
     let tool_req = ToolRequest::parse(&v)?.filter(ToolRequest::active);
     let mut constraint = compile_constraint(st, &v)?;
     let mut params = sampling_params(&v).map_err(|e| ApiError::bad(format!("invalid sampling parameter: {e}")))?;
@@ -922,6 +994,7 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
     }
     params.logprobs = want_logprobs.then(|| req.top_logprobs.unwrap_or(0));
     params.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    let strategy = parse_strategy(&v, &params, n)?;
     let bos = st.tokenizer.bos_token().unwrap_or_default();
     let eos = st.tokenizer.eos_token().unwrap_or_default();
     let extra = tool_req.as_ref().map_or(Value::Null, |t| json!({"tools": t.tools}));
@@ -938,6 +1011,7 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
         want_logprobs,
         constraint,
         tool_output,
+        strategy,
         default_max: DefaultMax::RestOf(st.max_sequence_tokens),
     })
 }

@@ -64,12 +64,12 @@ fn engine_with_heads_is_batch_invariant_and_matches_offline_decoding() {
     )
     .expect("offline");
     let (engine, join) = spawn_engine_with(model, tok.clone(), EngineConfig::default(), Some(heads)).expect("engine");
-    let (_, mut rx) = engine.submit(GenerateRequest { prompt: prompts[0].clone(), params: params(42), n: 1, constraint: None }).expect("submit");
+    let (_, mut rx) = engine.submit(GenerateRequest::sample(prompts[0].clone(), params(42), 1)).expect("submit");
     let alone = collect(&mut rx);
     let mut rxs = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let seed = if i == 0 { 42 } else { 100 + i as u64 };
-        rxs.push(engine.submit(GenerateRequest { prompt: p.clone(), params: params(seed), n: 1, constraint: None }).expect("submit").1);
+        rxs.push(engine.submit(GenerateRequest::sample(p.clone(), params(seed), 1)).expect("submit").1);
     }
     let batched: Vec<Vec<u32>> = rxs.iter_mut().map(collect).collect();
     let mut offline_tokens = offline[0].generation.tokens.clone();

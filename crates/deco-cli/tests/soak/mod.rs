@@ -1014,6 +1014,12 @@ pub fn render(c: &Config, r: &Report) -> String {
     s
 }
 
+/// A configuration that only starts the server (no soak or drain requests): the `deco` binary
+/// `deco` on `model` with a `kv_cache_mib` pool, its log in `dir`.
+pub fn server_only(deco: PathBuf, model: PathBuf, dir: &Path, kv_cache_mib: usize) -> Config {
+    Config { deco, model, requests: 0, clients: 0, seed: 0, kv_cache_mib, drain_streams: 0, log: log_path(dir) }
+}
+
 /// Default path of the server log inside `dir`.
 pub fn log_path(dir: &Path) -> PathBuf {
     dir.join("deco-serve-soak.log")
