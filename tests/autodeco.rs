@@ -1,19 +1,17 @@
 //! AutoDeco on the real SmolLM2-135M-Instruct: a short training run on GSM train data lowers the
-//! held-out loss and leaves the base untouched; decoding with heads keeps per-sequence seeds
-//! independent of the batch, leaves greedy decoding unchanged and applies T × temperature,
-//! clamp(P × top_p).
+//! held-out loss and leaves the base untouched; decoding with heads (on the serving engine)
+//! leaves greedy decoding unchanged and applies T × temperature, clamp(P × top_p).
 
 use burn::tensor::Device;
 use deco_autodeco::data::{chat_example, collect_tokens, read_gsm_jsonl, strip_calculator};
-use deco_autodeco::decode::{SeqRequest, combine, generate_batch};
-use deco_autodeco::heads::{AutoDecoConfig, AutoDecoHeads};
+use deco_autodeco::decode::combine;
+use deco_autodeco::heads::{AutoDecoConfig, AutoDecoHeads, HeadOutput, HostHeads};
 use deco_autodeco::train::{FrozenHead, TrainConfig, train};
-use deco_decoding::{SamplerOrder, SamplingParams};
+use deco_decoding::SamplingParams;
 use deco_formats::chat_template::ChatTemplate;
 use deco_formats::checkpoint::Checkpoint;
 use deco_formats::gguf::GgufFile;
 use deco_formats::tokenizer::Tokenizer;
-use deco_generate::LlamaSession;
 use deco_model::Llama;
 use deco_model::host::to_host;
 use deco_tests::{asset, smollm2_gguf};
@@ -55,45 +53,57 @@ fn short_training_lowers_heldout_loss_and_keeps_the_base_frozen() {
     assert_eq!(cfg.num_params(), 576 * 256 + 256 + 256 + 1 + 581 * 256 + 256 + 256 + 1);
 }
 
+/// One request on the serving engine with `heads`: its tokens (an end token not included) and
+/// the heads' `(T, P)` per token.
+fn on_engine(model: &Llama, tok: &Tokenizer, heads: Option<HostHeads>, prompt: &[u32], params: &SamplingParams) -> (Vec<u32>, Vec<(f32, f32)>) {
+    let options = deco_serve::EngineOptions { autodeco: heads, ..Default::default() };
+    let (engine, join) = deco_serve::spawn_engine_opts(model.clone(), std::sync::Arc::new(tok.clone()), deco_serve::EngineConfig::default(), options).expect("engine");
+    let (_, mut rx) = engine.submit(deco_serve::GenerateRequest::sample(prompt.to_vec(), params.clone(), 1)).expect("submit");
+    let (mut ids, mut tp) = (Vec::new(), Vec::new());
+    loop {
+        match rx.blocking_recv().expect("event") {
+            deco_serve::EngineEvent::Delta { tokens, .. } => {
+                for t in tokens {
+                    ids.push(t.id);
+                    tp.extend(t.autodeco);
+                }
+            }
+            deco_serve::EngineEvent::Finished { .. } => break,
+            deco_serve::EngineEvent::Failed(e) => panic!("engine: {e}"),
+        }
+    }
+    drop((rx, engine));
+    join.join().expect("engine thread");
+    (ids, tp)
+}
+
+/// Decoding with heads (on the serving engine): every token's reported `(T, P)` lies in the
+/// heads' ranges and the sampling parameters are `T × temperature`, `clamp(P × top_p)`;
+/// greedy decoding with heads is plain greedy decoding, and its parameters are unchanged.
 #[test]
-fn decoding_with_heads_is_batch_invariant_and_keeps_greedy() {
+fn decoding_with_heads_applies_t_and_p_and_leaves_greedy_alone() {
     let (model, tok) = load();
     let device = Device::flex();
     device.seed(1);
     let cfg = AutoDecoConfig::new(model.config.hidden_size, model.config.vocab_size);
     let heads = AutoDecoHeads::init(&cfg, &device).expect("init").to_host(&cfg).expect("host");
-    let prompts: Vec<Vec<u32>> = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
-        .iter()
-        .map(|p| tok.encode(p, true).expect("encode"))
-        .collect();
-    let eos = tok.eos_token_ids().to_vec();
-    let sampled = |seed: u64| SamplingParams {
-        temperature: Some(0.8),
-        top_p: Some(0.9),
-        seed: Some(seed),
-        max_new_tokens: Some(12),
-        ..Default::default()
-    };
-    let reqs: Vec<SeqRequest> = prompts.iter().enumerate().map(|(i, p)| SeqRequest { prompt: p.clone(), params: sampled(10 + i as u64) }).collect();
-    let mut session = LlamaSession::new(&model);
-    let batch = generate_batch(&mut session, Some(&heads), &reqs, &eos, 8, SamplerOrder::HuggingFace, &mut |_, _| false).expect("batch");
-    let alone = generate_batch(&mut session, Some(&heads), &reqs[1..2], &eos, 8, SamplerOrder::HuggingFace, &mut |_, _| false).expect("alone");
-    assert_eq!(batch[1].generation.tokens, alone[0].generation.tokens, "a seeded request must not depend on its batch");
-    for r in &batch {
-        assert_eq!(r.trace.len(), r.generation.tokens.len());
-        for t in &r.trace {
-            assert!(t.temperature > 0.0 && t.temperature < 2.0 && t.top_p > 0.0 && t.top_p < 1.0);
-            assert!((t.final_temperature - (0.8 * t.temperature).max(1e-2)).abs() < 1e-6);
-            assert!((t.final_top_p - (0.9 * t.top_p).clamp(0.0, 1.0)).abs() < 1e-6);
-        }
+    let prompt = tok.encode("Once upon a time", true).expect("encode");
+    let sampled = SamplingParams { temperature: Some(0.8), top_p: Some(0.9), seed: Some(11), max_new_tokens: Some(12), ..Default::default() };
+    let (ids, tp) = on_engine(&model, &tok, Some(heads.clone()), &prompt, &sampled);
+    assert!(!ids.is_empty() && tp.len() == ids.len(), "{} tokens, {} predictions", ids.len(), tp.len());
+    for &(t, p) in &tp {
+        assert!(t > 0.0 && t < 2.0 && p > 0.0 && p < 1.0);
+        let used = combine(&sampled, HeadOutput { temperature: t, top_p: p });
+        assert!((used.temperature.expect("T") - (0.8 * t).max(1e-2)).abs() < 1e-6);
+        assert!((used.top_p.expect("P") - (0.9 * p).clamp(0.0, 1.0)).abs() < 1e-6);
     }
-    // Greedy stays greedy: same tokens as plain greedy decoding.
+    // Greedy stays greedy: same tokens as plain greedy decoding, predictions still reported.
     let greedy = SamplingParams { temperature: Some(0.0), max_new_tokens: Some(12), ..Default::default() };
-    let g_req = [SeqRequest { prompt: prompts[0].clone(), params: greedy.clone() }];
-    let with = generate_batch(&mut session, Some(&heads), &g_req, &eos, 1, SamplerOrder::HuggingFace, &mut |_, _| false).expect("greedy");
-    let plain = deco_generate::generate(&mut session, &prompts[0], &greedy, &eos, &mut |_| false).expect("plain");
-    assert_eq!(with[0].generation.tokens, plain.tokens);
-    assert_eq!(combine(&greedy, with[0].trace.first().map(|t| deco_autodeco::HeadOutput { temperature: t.temperature, top_p: t.top_p }).expect("trace")), greedy);
+    let (with, tp) = on_engine(&model, &tok, Some(heads), &prompt, &greedy);
+    let (plain, none) = on_engine(&model, &tok, None, &prompt, &greedy);
+    assert_eq!(with, plain);
+    assert!(none.is_empty() && tp.len() == with.len());
+    assert_eq!(combine(&greedy, HeadOutput { temperature: tp[0].0, top_p: tp[0].1 }), greedy);
 }
 
 /// The heads trained by `cargo xtask bench autodeco` and committed under `assets/` load, fit the

@@ -27,20 +27,17 @@ fn greedy(max_new: usize) -> SamplingParams {
     SamplingParams { temperature: Some(0.0), max_new_tokens: Some(max_new), seed: Some(0), ..Default::default() }
 }
 
-fn no_sink() -> impl FnMut(&[u32]) -> bool {
-    |_: &[u32]| false
-}
 
-/// One beam-search request on the serving engine (the decode loop of `deco generate` and
-/// `deco serve`): each choice's token ids (an end token not included) and cumulative
-/// log-probability, and the engine's forward passes.
-fn beam_on_engine(prompt: &[u32], params: &SamplingParams, beam: BeamSearchParams) -> (Vec<(Vec<u32>, f64)>, u64) {
+/// One request on the serving engine (the decode loop of `deco generate` and `deco serve`):
+/// each choice's token ids (an end token not included) and cumulative log-probability, and the
+/// engine's counters (forward passes, speculative draft tokens / accepted).
+fn on_engine(prompt: &[u32], params: &SamplingParams, n: usize, strategy: Option<deco_serve::Strategy>, draft: Option<deco_serve::DraftModel>) -> (Vec<(Vec<u32>, f64)>, [u64; 3]) {
     let g = deco_formats::gguf::GgufFile::open(smollm2_gguf()).expect("gguf");
     let tok = std::sync::Arc::new(Tokenizer::from_gguf(&g).expect("tokenizer"));
     let config = deco_serve::EngineConfig { num_blocks: 256, ..Default::default() };
-    let (engine, join) = deco_serve::spawn_engine(model().clone(), tok, config).expect("engine");
-    let n = beam.num_return_sequences;
-    let req = deco_serve::GenerateRequest { prompt: prompt.to_vec(), params: params.clone(), n, constraint: None, strategy: Some(deco_serve::Strategy::Beam(beam)) };
+    let options = deco_serve::EngineOptions { draft, ..Default::default() };
+    let (engine, join) = deco_serve::spawn_engine_opts(model().clone(), tok, config, options).expect("engine");
+    let req = deco_serve::GenerateRequest { strategy, ..deco_serve::GenerateRequest::sample(prompt.to_vec(), params.clone(), n) };
     let (_, mut rx) = engine.submit(req).expect("submit");
     let mut out = vec![(Vec::new(), f64::NAN); n];
     let mut finished = 0;
@@ -48,16 +45,39 @@ fn beam_on_engine(prompt: &[u32], params: &SamplingParams, beam: BeamSearchParam
         match rx.blocking_recv().expect("event") {
             deco_serve::EngineEvent::Delta { index, tokens, .. } => out[index].0.extend(tokens.iter().map(|t| t.id)),
             deco_serve::EngineEvent::Finished { index, cumulative_logprob, .. } => {
-                out[index].1 = cumulative_logprob.expect("beam search reports its log-probability");
+                out[index].1 = cumulative_logprob.unwrap_or(f64::NAN);
                 finished += 1;
             }
-            deco_serve::EngineEvent::Failed(e) => panic!("beam search failed: {e}"),
+            deco_serve::EngineEvent::Failed(e) => panic!("generation failed: {e}"),
         }
     }
-    let steps = engine.metrics.steps.load(std::sync::atomic::Ordering::Relaxed);
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let counters = [load(&engine.metrics.steps), load(&engine.metrics.spec_draft_tokens), load(&engine.metrics.spec_accepted_tokens)];
     drop((rx, engine));
     join.join().expect("engine thread");
-    (out, steps)
+    (out, counters)
+}
+
+/// Beam search on the engine.
+fn beam_on_engine(prompt: &[u32], params: &SamplingParams, beam: BeamSearchParams) -> (Vec<(Vec<u32>, f64)>, u64) {
+    let (out, c) = on_engine(prompt, params, beam.num_return_sequences, Some(deco_serve::Strategy::Beam(beam)), None);
+    (out, c[0])
+}
+
+/// Speculative decoding on the engine: the tokens and `[target forwards, drafted, accepted]`.
+fn speculative_on_engine(prompt: &[u32], params: &SamplingParams, gamma: usize, draft_layers: Option<usize>) -> (Vec<u32>, [u64; 3]) {
+    let (source, draft) = match draft_layers {
+        Some(k) => (DraftSource::Model, Some(deco_serve::DraftModel { model: model().clone(), num_layers: k })),
+        None => (DraftSource::PromptLookup(PromptLookupDrafter::default()), None),
+    };
+    let strategy = deco_serve::Strategy::Speculative { num_speculative_tokens: gamma, source };
+    let (mut out, c) = on_engine(prompt, params, 1, Some(strategy), draft);
+    (out.remove(0).0, c)
+}
+
+/// Greedy (or sampled) decoding on the engine.
+fn sample_on_engine(prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
+    on_engine(prompt, params, 1, None, None).0.remove(0).0
 }
 
 /// Beam search served by the engine: its best sequence scores at least greedy's, its second is
@@ -69,8 +89,14 @@ fn beam_search_sequence_logprob_is_at_least_greedys() {
     let prompt = tokens("The capital of France is");
     // EOS blocked for the 8 tokens, so both searches compare 8-token continuations.
     let params = SamplingParams { min_new_tokens: Some(8), ..greedy(8) };
-    let g = generate(&mut LlamaSession::new(m), &prompt, &params, &[], &mut no_sink()).expect("greedy");
-    let greedy_lp: f64 = g.logprobs.iter().map(|&x| f64::from(x)).sum();
+    // Sum of log-probabilities of `tokens` after the prompt, from one forward over both.
+    let rescore = |tokens: &[u32]| -> f64 {
+        let full: Vec<u32> = prompt.iter().chain(tokens).copied().collect();
+        let mut cache = deco_model::DenseKvCache::new(m.num_layers());
+        let rows = m.forward(&[deco_model::SeqInput { seq: 0, tokens: &full }], &mut cache, deco_model::LogitsWanted::All).expect("fwd").logits_rows().expect("rows");
+        tokens.iter().enumerate().map(|(i, &t)| f64::from(deco_decoding::math::log_softmax(&rows[prompt.len() - 1 + i])[t as usize])).sum()
+    };
+    let greedy_lp = rescore(&sample_on_engine(&prompt, &params));
     let beam = BeamSearchParams { num_beams: 4, length_penalty: 0.0, early_stopping: EarlyStopping::Never, num_return_sequences: 2 };
     let (out, _) = beam_on_engine(&prompt, &params, beam);
     let (best, best_lp) = &out[0];
@@ -78,44 +104,36 @@ fn beam_search_sequence_logprob_is_at_least_greedys() {
     assert!(*best_lp >= greedy_lp - 1e-4, "beam {best_lp} < greedy {greedy_lp}");
     assert!(out[1].1 <= *best_lp);
     // The reported sum is the model's: re-score the beam's tokens with one forward.
-    let mut s = LlamaSession::new(m);
-    let full: Vec<u32> = prompt.iter().chain(best).copied().collect();
-    let rows = s.forward(&[(0, &full)], deco_model::LogitsWanted::All, false).expect("fwd").logits;
-    let rescored: f64 = best
-        .iter()
-        .enumerate()
-        .map(|(i, &t)| f64::from(deco_decoding::math::log_softmax(&rows[prompt.len() - 1 + i])[t as usize]))
-        .sum();
+    let rescored = rescore(best);
     assert!((rescored - best_lp).abs() < 1e-2, "{rescored} vs {best_lp}");
 }
 
+/// Speculative decoding on the engine, with the model's first 10 layers as the draft (the
+/// engine's draft model and its own paged cache) and with prompt lookup, equals greedy decoding
+/// token for token at T = 0.
 #[test]
 fn speculative_at_temperature_zero_equals_greedy() {
-    let m = model();
     let prompt = tokens("<|im_start|>user\nList the days of the week.<|im_end|>\n<|im_start|>assistant\n");
     let params = greedy(24);
-    let g = generate(&mut LlamaSession::new(m), &prompt, &params, &[2], &mut no_sink()).expect("greedy");
-    let draft = ModelDrafter::new(LlamaSession::truncated(m, 10).expect("draft"), 1).expect("drafter");
-    let mut draft = draft;
-    let spec = speculative_generate(&mut LlamaSession::new(m), &mut draft, &prompt, &params, 4, &[2], &mut no_sink())
-        .expect("self-speculative");
-    assert_eq!(spec.generation.tokens, g.tokens);
-    assert!(spec.stats.drafted > 0);
-    let spec = speculative_generate(&mut LlamaSession::new(m), &mut PromptLookupDrafter::default(), &prompt, &params, 4, &[2], &mut no_sink())
-        .expect("prompt lookup");
-    assert_eq!(spec.generation.tokens, g.tokens);
+    let g = sample_on_engine(&prompt, &params);
+    let (spec, [_, drafted, accepted]) = speculative_on_engine(&prompt, &params, 4, Some(10));
+    assert_eq!(spec, g);
+    assert!(drafted > 0 && accepted <= drafted);
+    let (spec, _) = speculative_on_engine(&prompt, &params, 4, None);
+    assert_eq!(spec, g);
 }
 
+/// Contrastive search on the engine (the candidates are forks of the sequence in the paged
+/// cache, the prompt's hidden states come from its prefill): with `penalty_alpha` 0 it is greedy
+/// decoding; with 0.6 it runs to the length limit.
 #[test]
 fn contrastive_search_with_zero_alpha_is_greedy() {
-    let m = model();
     let prompt = tokens("Once upon a time");
     let params = SamplingParams { top_k: Some(3), ..greedy(6) };
-    let g = generate(&mut LlamaSession::new(m), &prompt, &params, &[], &mut no_sink()).expect("greedy");
-    let cs = contrastive_search(&mut LlamaSession::new(m), &prompt, &params, 0.0, &[], &mut no_sink()).expect("cs");
-    assert_eq!(cs.tokens, g.tokens);
-    let cs = contrastive_search(&mut LlamaSession::new(m), &prompt, &params, 0.6, &[], &mut no_sink()).expect("cs");
-    assert_eq!(cs.tokens.len(), 6);
+    let g = sample_on_engine(&prompt, &greedy(6));
+    let cs = |alpha: f32| on_engine(&prompt, &params, 1, Some(deco_serve::Strategy::ContrastiveSearch { penalty_alpha: alpha }), None).0.remove(0).0;
+    assert_eq!(cs(0.0), g);
+    assert_eq!(cs(0.6).len(), 6);
 }
 
 fn time<T>(f: impl FnOnce() -> T) -> (T, f64) {
@@ -143,25 +161,14 @@ fn bench_decoding() {
     println!("| prompt | drafter | acceptance | tokens | target forwards | tok/s | speedup vs greedy |");
     println!("|---|---|---|---|---|---|---|");
     for (name, p) in &prompts {
-        let (g, tg) = time(|| generate(&mut LlamaSession::new(m), p, &params, &[2], &mut no_sink()).expect("greedy"));
-        let n = g.tokens.len() as f64;
-        println!("| {name} | none (greedy) | - | {} | {} | {:.1} | 1.00 |", g.tokens.len(), g.tokens.len() + 1, n / tg);
-        let run = |label: String, d: &mut dyn Drafter| {
-            let (s, ts) = time(|| speculative_generate(&mut LlamaSession::new(m), d, p, &params, 4, &[2], &mut no_sink()).expect("spec"));
-            assert_eq!(s.generation.tokens, g.tokens, "{label} on {name} differs from greedy");
-            println!(
-                "| {name} | {label} | {:.3} | {} | {} | {:.1} | {:.2} |",
-                s.stats.acceptance_rate(),
-                s.generation.tokens.len(),
-                s.stats.target_forward_calls,
-                n / ts,
-                tg / ts
-            );
-        };
-        run("prompt lookup (ngram 2)".into(), &mut PromptLookupDrafter::default());
-        for k in [8usize, 16, 24] {
-            let mut d = ModelDrafter::new(LlamaSession::truncated(m, k).expect("draft"), 1).expect("drafter");
-            run(format!("self, first {k}/30 layers"), &mut d);
+        let (g, tg) = time(|| sample_on_engine(p, &params));
+        let n = g.len() as f64;
+        println!("| {name} | none (greedy) | - | {} | {} | {:.1} | 1.00 |", g.len(), g.len() + 1, n / tg);
+        for (label, layers) in [("prompt lookup (ngram 2)".to_string(), None), ("self, first 8/30 layers".into(), Some(8)), ("self, first 16/30 layers".into(), Some(16)), ("self, first 24/30 layers".into(), Some(24))] {
+            let ((s, [forwards, drafted, accepted]), ts) = time(|| speculative_on_engine(p, &params, 4, layers));
+            assert_eq!(s, g, "{label} on {name} differs from greedy");
+            let rate = if drafted == 0 { 0.0 } else { accepted as f64 / drafted as f64 };
+            println!("| {name} | {label} | {rate:.3} | {} | {forwards} | {:.1} | {:.2} |", s.len(), n / ts, tg / ts);
         }
     }
 

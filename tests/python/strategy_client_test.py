@@ -6,7 +6,10 @@ Usage: python3 tests/python/strategy_client_test.py --base-url http://127.0.0.1:
            --model NAME --expected cases.json
 
 `cases.json` lists requests with the texts `deco generate` printed for the same settings:
-`[{"prompt": str, "max_tokens": int, "n": int, "extra_body": {...}, "texts": [str, ...]}]`.
+`[{"prompt": str, "max_tokens": int, "n": int, "extra_body": {...}, "texts": [str, ...],
+"temperature": float (default 0), "seed": int (optional)}]`. With `--expect-speculation` the
+server runs speculative decoding (`deco serve --speculative-model ...`): its vLLM counters
+`spec_decode_num_draft_tokens` / `_accepted_tokens` must have moved.
 
 Checks, each against an independent value:
 - every case, sent with `extra_body` (the strategy's fields under Hugging Face's names) while
@@ -40,13 +43,17 @@ def main():
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--expected", required=True)
+    ap.add_argument("--expect-speculation", action="store_true")
+    ap.add_argument("--no-refusals", action="store_true", help="skip the beam-search refusal checks")
     args = ap.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key="none", max_retries=0, timeout=600)
     cases = json.load(open(args.expected, encoding="utf-8"))
 
     def served(case, stream=False):
         kw = dict(model=args.model, prompt=case["prompt"], max_tokens=case["max_tokens"], n=case["n"],
-                  temperature=0, extra_body=case["extra_body"])
+                  temperature=case.get("temperature", 0), extra_body=case["extra_body"])
+        if "seed" in case:
+            kw["seed"] = case["seed"]
         if not stream:
             r = client.completions.create(**kw)
             return [c.text for c in sorted(r.choices, key=lambda c: c.index)], [c.finish_reason for c in sorted(r.choices, key=lambda c: c.index)]
@@ -76,6 +83,18 @@ def main():
         check(texts == case["texts"], f"{how} {case['extra_body']}: served {texts!r}, deco generate {case['texts']!r}")
         check(all(f in ("stop", "length") for f in finish), f"{how} {case['extra_body']}: finish reasons {finish}")
     print(f"ok {len(cases)} strategy cases equal deco generate, streamed and not, beside sampled requests")
+    if args.expect_speculation:
+        import urllib.request
+        root = args.base_url.rsplit("/v1", 1)[0]
+        metrics = urllib.request.urlopen(root + "/metrics", timeout=30).read().decode()
+        def counter(name):
+            line = next(l for l in metrics.splitlines() if l.startswith(f"vllm:{name}_total{{"))
+            return float(line.rsplit(" ", 1)[1])
+        drafted, accepted = counter("spec_decode_num_draft_tokens"), counter("spec_decode_num_accepted_tokens")
+        check(drafted > 0 and 0 <= accepted <= drafted, f"speculative counters drafted {drafted} accepted {accepted}")
+        print(f"ok speculation ran: {int(accepted)} of {int(drafted)} draft tokens accepted")
+    if args.no_refusals:
+        return
 
     # What a strategy cannot honour is refused, naming the field.
     base = dict(model=args.model, prompt="Hello", max_tokens=4)
@@ -85,6 +104,14 @@ def main():
         (dict(temperature=0, extra_body={"num_beams": 2}, stop=["\n"]), "stop"),
         (dict(temperature=0, extra_body={"length_penalty": 2.0}), "length_penalty"),
         (dict(temperature=0, extra_body={"num_beams": 2, "early_stopping": "sometimes"}), "early_stopping"),
+        (dict(temperature=0, extra_body={"penalty_alpha": 0.6}), "top_k"),
+        (dict(temperature=0, n=2, extra_body={"penalty_alpha": 0.6, "top_k": 4}), "n"),
+        (dict(temperature=0.7, extra_body={"penalty_alpha": 0.6, "top_k": 4}), "temperature"),
+        (dict(temperature=0, extra_body={"penalty_alpha": 0.6, "top_k": 4, "num_beams": 2}), "penalty_alpha"),
+        (dict(temperature=1, extra_body={"autodeco": True}), "autodeco"),
+        (dict(temperature=0, extra_body={"contrastive_decoding": {"alpha": 0.1}}), "contrastive_decoding"),
+        (dict(temperature=0, extra_body={"early_exit": {"min_layers": 0}}), "early_exit"),
+        (dict(temperature=0, extra_body={"early_exit": {"entropy": 1.0}}), "early_exit"),
     ]:
         try:
             client.completions.create(**base, **kw)

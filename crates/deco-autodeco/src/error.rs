@@ -45,9 +45,6 @@ pub enum Error {
     /// A decoding error (invalid sampling parameters, ...).
     #[error(transparent)]
     Decoding(#[from] deco_decoding::DecodingError),
-    /// A generation error.
-    #[error(transparent)]
-    Generate(#[from] deco_generate::GenerateError),
 }
 
 /// `Result` with [`Error`].

@@ -7,10 +7,14 @@
 //! - [`stats`]: the four statistics of `softmax(logits / T)` the top-p head sees.
 //! - [`loss`]: temperature loss, differentiable soft top-p loss, easy-token masking.
 //! - [`data`]: GSM-style chat data with the loss on answer tokens; the base model's hidden states.
-//! - [`train`]: training on a frozen base with burn autodiff and Adam.
+//! - `train` (feature `train`, default): training on a frozen base with burn autodiff and Adam.
 //! - [`decode`]: decoding with the heads (per-token `T × temperature`, `clamp(P × top_p)`).
 //! - [`eval`]: GSM answer extraction and the unbiased pass@k estimator.
-//! - [`plot`]: SVG charts of loss curves and traces.
+//! - `plot` (feature `train`): SVG charts of loss curves and traces.
+//!
+//! Without the default feature `train` the crate has what inference needs (heads, statistics,
+//! the per-token combination) and no autodiff, optimizer or plotting dependency: the serving
+//! engine uses it that way.
 
 pub mod data;
 pub mod decode;
@@ -18,8 +22,10 @@ pub mod error;
 pub mod eval;
 pub mod heads;
 pub mod loss;
+#[cfg(feature = "train")]
 pub mod plot;
 pub mod stats;
+#[cfg(feature = "train")]
 pub mod train;
 
 pub use error::{Error, Result};

@@ -25,6 +25,7 @@ fn main() {
         kv_cache_mib: 48,
         drain_streams: 32,
         log: std::env::temp_dir().join("deco-serve-soak.log"),
+        extra_args: Vec::new(),
     };
     let mut out = None;
     let usage = "usage: serve_soak --deco BIN --model M [--requests N] [--clients N] [--seed S] [--kv-cache-mib N] [--drain-streams N] [--out FILE.json] [--log FILE]";

@@ -293,9 +293,8 @@ fn run_train(a: &TrainArgs) -> Result<()> {
 }
 
 fn run_eval(a: &EvalArgs) -> Result<()> {
-    use deco_autodeco::decode::{SeqRequest, generate_batch_timed};
     use deco_autodeco::eval::{is_correct, pass_at_k};
-    use deco_decoding::{SamplerOrder, SamplingParams};
+    use deco_decoding::SamplingParams;
 
     if a.n == 0 || a.batch == 0 || a.max_new_tokens == 0 || a.limit == 0 {
         bail!("-n, --batch, --max-new-tokens and --limit must be at least 1");
@@ -340,43 +339,75 @@ fn run_eval(a: &EvalArgs) -> Result<()> {
         refs.push(reference);
         for j in 0..a.n {
             let seed = a.seed.wrapping_add(1000 * (a.offset + i) as u64 + j as u64);
-            requests.push(SeqRequest { prompt: prompt.clone(), params: SamplingParams { seed: Some(seed), ..base.clone() } });
+            requests.push((prompt.clone(), SamplingParams { seed: Some(seed), ..base.clone() }));
         }
     }
-    let eos = tok.eos_token_ids().to_vec();
+    // Every sample is one request of the serving engine (the decode loop of `deco generate` and
+    // `deco serve`), `--batch` of them in flight at once.
     let pb = bar(requests.len() as u64, if a.label.is_empty() { "eval" } else { &a.label });
     let t0 = Instant::now();
-    let mut done = 0u64;
-    let (results, stats) = generate_batch_timed(
-        &mut deco_generate::LlamaSession::new(&model),
-        heads.as_ref(),
-        &requests,
-        &eos,
-        a.batch,
-        SamplerOrder::HuggingFace,
-        &mut |_, _| false,
-    )?;
-    done += results.len() as u64;
-    pb.set_position(done);
+    let longest = requests.iter().map(|r| r.0.len()).max().unwrap_or(0) + a.max_new_tokens;
+    let block_size = deco_serve::EngineConfig::default().block_size;
+    let config = deco_serve::EngineConfig {
+        num_blocks: (longest.div_ceil(block_size) + 1) * a.batch + 1,
+        scheduler: deco_serve::SchedulerConfig { max_num_seqs: a.batch, ..Default::default() },
+        max_pending_requests: requests.len() + 1,
+        ..Default::default()
+    };
+    let has_heads = heads.is_some();
+    let options = deco_serve::EngineOptions { autodeco: heads, ..Default::default() };
+    let (engine, join) = deco_serve::spawn_engine_opts(model, std::sync::Arc::new(tok.clone()), config, options)?;
+    let mut rxs = Vec::with_capacity(requests.len());
+    for (prompt, params) in requests {
+        let req = deco_serve::GenerateRequest { autodeco: Some(has_heads), ..deco_serve::GenerateRequest::sample(prompt, params, 1) };
+        rxs.push(engine.submit(req)?.1);
+    }
+    // Per request: its tokens and the heads' (T, P) per token.
+    type Sampled = (Vec<u32>, Vec<(f32, f32)>);
+    let mut results: Vec<Sampled> = Vec::with_capacity(rxs.len());
+    for mut rx in rxs {
+        let (mut ids, mut tp) = (Vec::new(), Vec::new());
+        loop {
+            match rx.blocking_recv() {
+                Some(deco_serve::EngineEvent::Delta { tokens, .. }) => {
+                    for t in tokens {
+                        ids.push(t.id);
+                        tp.extend(t.autodeco);
+                    }
+                }
+                Some(deco_serve::EngineEvent::Finished { .. }) => break,
+                Some(deco_serve::EngineEvent::Failed(e)) => bail!("generation failed: {e}"),
+                None => bail!("the engine stopped"),
+            }
+        }
+        results.push((ids, tp));
+        pb.set_position(results.len() as u64);
+    }
     pb.finish();
     let wall = t0.elapsed().as_secs_f64();
+    let load = |x: &std::sync::atomic::AtomicU64| x.load(std::sync::atomic::Ordering::Relaxed);
+    let m = &engine.metrics;
+    let (tokens, forward_s, heads_s, sample_s) =
+        (load(&m.generation_tokens), load(&m.forward_ns) as f64 * 1e-9, load(&m.autodeco_heads_ns) as f64 * 1e-9, load(&m.sampling_ns) as f64 * 1e-9);
+    drop(engine);
+    let _ = join.join();
     let mut out_lines = String::new();
     let mut correct = vec![0usize; items.len()];
     let (mut sum_t, mut sum_p, mut n_tr) = (0.0f64, 0.0f64, 0usize);
-    for (k, r) in results.iter().enumerate() {
+    for (k, (ids, tp)) in results.iter().enumerate() {
         let i = k / a.n;
-        let text = tok.decode(&r.generation.tokens, true)?;
+        let text = tok.decode(ids, true)?;
         let ok = is_correct(&text, &refs[i]);
         correct[i] += usize::from(ok);
-        for t in &r.trace {
-            sum_t += f64::from(t.temperature);
-            sum_p += f64::from(t.top_p);
+        for &(t, p) in tp {
+            sum_t += f64::from(t);
+            sum_p += f64::from(p);
             n_tr += 1;
         }
         if a.outputs.is_some() {
             out_lines.push_str(&serde_json::to_string(&serde_json::json!({
                 "problem": a.offset + i, "sample": k % a.n, "correct": ok, "reference": refs[i],
-                "extracted": deco_autodeco::eval::extract_answer(&text), "tokens": r.generation.tokens.len(), "text": text,
+                "extracted": deco_autodeco::eval::extract_answer(&text), "tokens": ids.len(), "text": text,
             }))?);
             out_lines.push('\n');
         }
@@ -405,9 +436,9 @@ fn run_eval(a: &EvalArgs) -> Result<()> {
         "pass": pass,
         "mean_T": if n_tr > 0 { serde_json::json!(sum_t / n_tr as f64) } else { serde_json::Value::Null },
         "mean_P": if n_tr > 0 { serde_json::json!(sum_p / n_tr as f64) } else { serde_json::Value::Null },
-        "tokens": stats.tokens, "wall_s": wall, "tok_s": stats.tokens as f64 / wall,
-        "forward_s": stats.forward_s, "heads_s": stats.heads_s, "sample_s": stats.sample_s,
-        "heads_overhead": if stats.forward_s > 0.0 { stats.heads_s / (stats.forward_s + stats.sample_s) } else { 0.0 },
+        "tokens": tokens, "wall_s": wall, "tok_s": tokens as f64 / wall,
+        "forward_s": forward_s, "heads_s": heads_s, "sample_s": sample_s,
+        "heads_overhead": if forward_s > 0.0 { heads_s / (forward_s + sample_s) } else { 0.0 },
     });
     println!("{summary}");
     Ok(())

@@ -1,6 +1,8 @@
 //! `deco generate`: prompt in, streamed text out, with every decoding strategy of
 //! `deco-generate` (greedy, sampling, beam search, contrastive decoding and search, speculative
-//! decoding, early exit).
+//! decoding, early exit, AutoDeco). Every strategy runs on the serving engine
+//! (`deco_serve::engine`), the decode loop `deco serve` runs: the same settings give the same
+//! tokens in both.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -8,17 +10,15 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
-use deco_decoding::{SamplingParams, StopStringMatcher};
+use deco_decoding::SamplingParams;
 use deco_formats::chat_template::{ChatMessage, ChatTemplate};
 use deco_formats::checkpoint::Checkpoint;
 
 use deco_formats::tokenizer::Tokenizer;
-use deco_generate::{
-    BeamSearchParams, ContrastiveDecodingParams, EarlyStopping, LlamaSession, ModelDrafter, PromptLookupDrafter,
-};
-use deco_serve::{EngineConfig, EngineEvent, GenerateRequest, Strategy as EngineStrategy};
-use deco_model::early_exit::{EarlyExitConfig, EarlyExitStats};
-use deco_model::{DenseKvCache, Llama, LogitsWanted, SeqInput};
+use deco_generate::{BeamSearchParams, ContrastiveDecodingParams, DraftSource, EarlyStopping, PromptLookupDrafter};
+use deco_serve::{DraftModel, EngineConfig, EngineEvent, EngineOptions, GenerateRequest, Strategy as EngineStrategy, TokenInfo};
+use deco_model::Llama;
+use deco_model::early_exit::EarlyExitConfig;
 
 use crate::ModelArgs;
 
@@ -177,24 +177,59 @@ struct EngineChoice {
     text: String,
     /// Tokens generated (an end token included).
     tokens: usize,
+    /// The strategy's sum of log-probabilities (beam search), NaN otherwise.
     cumulative_logprob: f64,
 }
 
+/// Counters of a [`run_on_engine`] run.
+struct EngineRun {
+    choices: Vec<EngineChoice>,
+    /// Forward passes of the served model (prefill included).
+    steps: u64,
+    /// Speculative decoding: draft tokens proposed and accepted, draft-model forwards.
+    drafted: u64,
+    accepted: u64,
+    draft_steps: u64,
+    /// Early exit: layers run and the models' depth, summed over decode tokens.
+    exit_layers_run: u64,
+    exit_layers_total: u64,
+    /// When the first text arrived.
+    first_text_at: Option<Instant>,
+}
+
+/// Receives each piece of output: choice index, text, tokens.
+type OnDelta<'a> = dyn FnMut(usize, &str, &[TokenInfo]) -> Result<()> + 'a;
+
 /// Runs one request on the serving engine (`deco_serve::engine`, the decode loop `deco serve`
-/// runs) with a KV pool sized for `width` parallel sequences of the request; returns its choices
-/// in index order and the number of forward passes the engine ran.
-fn run_on_engine(model: &Llama, tok: &Tokenizer, req: GenerateRequest, width: usize) -> Result<(Vec<EngineChoice>, u64)> {
+/// runs, so `deco generate` and `deco serve` give the same tokens) with a KV pool sized for
+/// `width` parallel sequences of the request. `on_delta(index, text, tokens)` sees every piece
+/// of output as the engine releases it (stop strings already applied).
+fn run_on_engine(
+    model: &Llama,
+    tok: &Tokenizer,
+    req: GenerateRequest,
+    width: usize,
+    options: EngineOptions,
+    on_delta: &mut OnDelta<'_>,
+) -> Result<EngineRun> {
     let block_size = EngineConfig::default().block_size;
     let per_seq = (req.prompt.len() + req.params.max_new_tokens.unwrap_or(0)).div_ceil(block_size) + 1;
     let config = EngineConfig { num_blocks: per_seq * (width + 1) + 1, max_n: req.n.max(1), ..EngineConfig::default() };
     let n = req.n;
-    let (engine, join) = deco_serve::spawn_engine(model.clone(), std::sync::Arc::new(tok.clone()), config)?;
+    let (engine, join) = deco_serve::spawn_engine_opts(model.clone(), std::sync::Arc::new(tok.clone()), config, options)?;
     let (_, mut rx) = engine.submit(req)?;
     let mut choices: Vec<Option<EngineChoice>> = (0..n).map(|_| None).collect();
     let mut texts = vec![String::new(); n];
+    let mut first_text_at = None;
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            EngineEvent::Delta { index, text, .. } => texts[index].push_str(&text),
+            EngineEvent::Delta { index, text, tokens } => {
+                if first_text_at.is_none() && !tokens.is_empty() {
+                    first_text_at = Some(Instant::now());
+                }
+                on_delta(index, &text, &tokens)?;
+                texts[index].push_str(&text);
+            }
             EngineEvent::Finished { index, completion_tokens, cumulative_logprob, .. } => {
                 let text = std::mem::take(&mut texts[index]);
                 choices[index] = Some(EngineChoice { text, tokens: completion_tokens, cumulative_logprob: cumulative_logprob.unwrap_or(f64::NAN) });
@@ -205,12 +240,59 @@ fn run_on_engine(model: &Llama, tok: &Tokenizer, req: GenerateRequest, width: us
             EngineEvent::Failed(e) => bail!("generation failed: {e}"),
         }
     }
-    let steps = engine.metrics.steps.load(std::sync::atomic::Ordering::Relaxed);
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let m = &engine.metrics;
+    let (steps, drafted, accepted, draft_steps) = (load(&m.steps), load(&m.spec_draft_tokens), load(&m.spec_accepted_tokens), load(&m.draft_steps));
+    let (exit_layers_run, exit_layers_total) = (load(&m.early_exit_layers_run), load(&m.early_exit_layers_total));
     drop(rx);
     drop(engine);
     let _ = join.join();
     let choices: Option<Vec<EngineChoice>> = choices.into_iter().collect();
-    Ok((choices.context("the engine stopped before every choice finished")?, steps))
+    Ok(EngineRun {
+        choices: choices.context("the engine stopped before every choice finished")?,
+        steps,
+        drafted,
+        accepted,
+        draft_steps,
+        exit_layers_run,
+        exit_layers_total,
+        first_text_at,
+    })
+}
+
+/// Prints text deltas of choice 0 as they come (`n == 1`); with several choices the texts are
+/// printed whole at the end by the caller. `--logprobs` writes one JSON line per token on
+/// stderr.
+fn stream_to_stdout(n: usize, logprobs: bool) -> impl FnMut(usize, &str, &[TokenInfo]) -> Result<()> {
+    move |index: usize, text: &str, tokens: &[TokenInfo]| -> Result<()> {
+        if logprobs {
+            for t in tokens {
+                let top: Vec<serde_json::Value> = t.top.iter().map(|(id, lp)| serde_json::json!({"token": id, "logprob": lp})).collect();
+                eprintln!("{}", serde_json::json!({"index": index, "token": t.id, "logprob": t.logprob, "top_logprobs": top}));
+            }
+        }
+        if n == 1 {
+            let mut out = std::io::stdout().lock();
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+        }
+        Ok(())
+    }
+}
+
+/// Ends the output of an engine run: a newline after the streamed text of one choice, or every
+/// choice's text under a `--- {what} i` header.
+fn print_choices(choices: &[EngineChoice], what: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    if choices.len() == 1 {
+        writeln!(out)?;
+        return Ok(());
+    }
+    for (i, c) in choices.iter().enumerate() {
+        writeln!(out, "--- {what} {i}")?;
+        writeln!(out, "{}", c.text)?;
+    }
+    Ok(())
 }
 
 fn load_second(path: &std::path::Path, model: &Llama) -> Result<Llama> {
@@ -220,63 +302,6 @@ fn load_second(path: &std::path::Path, model: &Llama) -> Result<Llama> {
         bail!("{} has vocabulary {}, the model has {}", path.display(), m.config.vocab_size, model.config.vocab_size);
     }
     Ok(m)
-}
-
-/// Streams tokens to stdout through the UTF-8 stream decoder and the stop-string matcher.
-struct Printer<'t> {
-    stream: deco_formats::tokenizer::StreamDecoder<'t>,
-    stops: StopStringMatcher,
-    eos: Vec<u32>,
-    ignore_eos: bool,
-    out: std::io::StdoutLock<'static>,
-    first_token_at: Option<Instant>,
-    error: Option<anyhow::Error>,
-}
-
-impl Printer<'_> {
-    /// Prints the tokens; true when a stop string matched.
-    fn push(&mut self, tokens: &[u32]) -> bool {
-        if self.first_token_at.is_none() {
-            self.first_token_at = Some(Instant::now());
-        }
-        let r = (|| -> Result<bool> {
-            for &t in tokens {
-                if !self.ignore_eos && self.eos.contains(&t) {
-                    return Ok(false);
-                }
-                let piece = self.stream.step(t)?;
-                let step = self.stops.push(&piece);
-                self.out.write_all(step.text.as_bytes())?;
-                self.out.flush()?;
-                if step.stop.is_some() {
-                    return Ok(true);
-                }
-            }
-            Ok(false)
-        })();
-        match r {
-            Ok(stop) => stop,
-            Err(e) => {
-                self.error = Some(e);
-                true
-            }
-        }
-    }
-
-    fn finish(mut self) -> Result<()> {
-        if let Some(e) = self.error.take() {
-            return Err(e);
-        }
-        if !self.stops.is_stopped() {
-            let rest = self.stream.flush()?;
-            let step = self.stops.push(&rest);
-            self.out.write_all(step.text.as_bytes())?;
-            let held = self.stops.flush();
-            self.out.write_all(held.as_bytes())?;
-        }
-        writeln!(self.out)?;
-        Ok(())
-    }
 }
 
 /// Runs the command.
@@ -322,6 +347,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         seed: Some(args.seed),
         max_new_tokens: Some(args.max_new_tokens),
         logprobs: args.logprobs,
+        ignore_eos: args.ignore_eos.then_some(true),
         ..Default::default()
     };
     params.validate()?;
@@ -350,21 +376,6 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if prompt_ids.len() + 1 > model.max_context() {
         bail!("the prompt has {} tokens; the model's context is {}", prompt_ids.len(), model.max_context());
     }
-    let model_eos: Vec<u32> = tok.eos_token_ids().to_vec();
-    let eos: Vec<u32> = if args.ignore_eos { Vec::new() } else { model_eos.clone() };
-
-    let new_printer = || -> Result<Printer<'_>> {
-        Ok(Printer {
-            stream: tok.stream_decoder(true),
-            stops: StopStringMatcher::from_params(&params)?,
-            eos: model_eos.clone(),
-            ignore_eos: args.ignore_eos,
-            out: std::io::stdout().lock(),
-            first_token_at: None,
-            error: None,
-        })
-    };
-
     let t0 = Instant::now();
     let mut extra = String::new();
     let (num_tokens, first_at) = match strategy {
@@ -381,8 +392,9 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 early_stopping: args.early_stopping.parse::<EarlyStopping>()?,
                 num_return_sequences: args.n,
             };
-            let req = GenerateRequest { prompt: prompt_ids.clone(), params: params.clone(), n: args.n, constraint: None, strategy: Some(EngineStrategy::Beam(beam)) };
-            let (choices, steps) = run_on_engine(&model, &tok, req, args.num_beams)?;
+            let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), args.n, EngineStrategy::Beam(beam));
+            let run = run_on_engine(&model, &tok, req, args.num_beams, EngineOptions::default(), &mut |_, _, _| Ok(()))?;
+            let (choices, steps) = (run.choices, run.steps);
             let mut total = 0;
             let mut out = std::io::stdout().lock();
             for (i, c) in choices.iter().enumerate() {
@@ -406,153 +418,108 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             if heads.config().hidden_size != model.config.hidden_size {
                 bail!("{}: heads for hidden size {}, the model has {}", dir.display(), heads.config().hidden_size, model.config.hidden_size);
             }
-            let mut total = 0;
-            let mut first = None;
-            let mut trace_all = Vec::new();
-            let mut session = LlamaSession::new(&model);
-            for i in 0..args.n {
-                let p_i = SamplingParams { seed: Some(args.seed.wrapping_add(i as u64)), ..params.clone() };
-                if args.n > 1 {
-                    println!("--- sample {i}");
-                }
-                let mut p = new_printer()?;
-                let req = [deco_autodeco::decode::SeqRequest { prompt: prompt_ids.clone(), params: p_i }];
-                let mut out = deco_autodeco::decode::generate_batch(
-                    &mut session,
-                    Some(&heads),
-                    &req,
-                    &eos,
-                    1,
-                    deco_decoding::SamplerOrder::HuggingFace,
-                    &mut |_, t: &[u32]| p.push(t),
-                )?;
-                first = first.or(p.first_token_at);
-                p.finish()?;
-                let r = out.remove(0);
-                if args.logprobs.is_some() {
-                    for s in &r.generation.samples {
-                        eprintln!("{}", serde_json::to_string(s)?);
+            let req = GenerateRequest { autodeco: Some(true), ..GenerateRequest::sample(prompt_ids.clone(), params.clone(), args.n) };
+            let mut trace: Vec<Vec<deco_autodeco::decode::TraceRow>> = vec![Vec::new(); args.n];
+            let mut print = stream_to_stdout(args.n, args.logprobs.is_some());
+            let options = EngineOptions { autodeco: Some(heads), ..EngineOptions::default() };
+            let run = run_on_engine(&model, &tok, req, args.n, options, &mut |index: usize, text: &str, tokens: &[TokenInfo]| {
+                for t in tokens {
+                    if let Some((temperature, top_p)) = t.autodeco {
+                        let used = deco_autodeco::decode::combine(&params, deco_autodeco::HeadOutput { temperature, top_p });
+                        let step = trace[index].len();
+                        let final_temperature = if params.is_greedy() { 0.0 } else { used.temperature.unwrap_or(1.0) };
+                        trace[index].push(deco_autodeco::decode::TraceRow { step, token: t.id, temperature, top_p, final_temperature, final_top_p: used.top_p.unwrap_or(1.0) });
                     }
                 }
-                total += r.generation.tokens.len();
-                let mean = |f: &dyn Fn(&deco_autodeco::decode::TraceRow) -> f32| {
-                    r.trace.iter().map(|x| f64::from(f(x))).sum::<f64>() / r.trace.len().max(1) as f64
-                };
-                extra = format!(" autodeco_mean_T={:.4} autodeco_mean_P={:.4}", mean(&|x| x.temperature), mean(&|x| x.top_p));
-                trace_all.extend(r.trace);
-            }
+                print(index, text, tokens)
+            })?;
+            print_choices(&run.choices, "sample")?;
+            let all: Vec<deco_autodeco::decode::TraceRow> = trace.into_iter().flatten().collect();
+            let mean = |f: &dyn Fn(&deco_autodeco::decode::TraceRow) -> f32| all.iter().map(|x| f64::from(f(x))).sum::<f64>() / all.len().max(1) as f64;
+            extra = format!(" autodeco_mean_T={:.4} autodeco_mean_P={:.4}", mean(&|x| x.temperature), mean(&|x| x.top_p));
             if let Some(path) = &args.trace_decoding {
                 let piece = |t: u32| tok.decode(&[t], false).unwrap_or_default();
-                deco_autodeco::decode::write_trace_csv(path, &trace_all, &piece)?;
+                deco_autodeco::decode::write_trace_csv(path, &all, &piece)?;
                 if let Some(svg) = &args.trace_plot {
-                    let t: Vec<(f64, f64)> = trace_all.iter().enumerate().map(|(i, r)| (i as f64, f64::from(r.temperature))).collect();
-                    let pp: Vec<(f64, f64)> = trace_all.iter().enumerate().map(|(i, r)| (i as f64, f64::from(r.top_p))).collect();
+                    let t: Vec<(f64, f64)> = all.iter().enumerate().map(|(i, r)| (i as f64, f64::from(r.temperature))).collect();
+                    let pp: Vec<(f64, f64)> = all.iter().enumerate().map(|(i, r)| (i as f64, f64::from(r.top_p))).collect();
                     deco_autodeco::plot::line_chart_svg(svg, "AutoDeco per-token parameters", "generated token", "value", &[("temperature T", t), ("top-p P", pp)])?;
                 }
             }
-            (total, first)
+            (run.choices.iter().map(|c| c.tokens).sum(), run.first_text_at)
         }
         Strategy::Greedy | Strategy::Sample => {
-            let mut total = 0;
-            let mut first = None;
-            for i in 0..args.n {
-                let p_i = SamplingParams { seed: Some(args.seed.wrapping_add(i as u64)), ..params.clone() };
-                if args.n > 1 {
-                    println!("--- sample {i}");
-                }
-                let mut p = new_printer()?;
-                let g = deco_generate::generate(&mut LlamaSession::new(&model), &prompt_ids, &p_i, &eos, &mut |t: &[u32]| p.push(t))?;
-                first = first.or(p.first_token_at);
-                p.finish()?;
-                if args.logprobs.is_some() {
-                    for s in &g.samples {
-                        eprintln!("{}", serde_json::to_string(s)?);
-                    }
-                }
-                total += g.tokens.len();
-            }
-            (total, first)
+            let req = GenerateRequest::sample(prompt_ids.clone(), params.clone(), args.n);
+            let run = run_on_engine(&model, &tok, req, args.n, EngineOptions::default(), &mut stream_to_stdout(args.n, args.logprobs.is_some()))?;
+            print_choices(&run.choices, "sample")?;
+            (run.choices.iter().map(|c| c.tokens).sum(), run.first_text_at)
         }
         Strategy::ContrastiveSearch => {
+            if args.n != 1 {
+                bail!("contrastive search is deterministic; drop -n");
+            }
             let p_cs = SamplingParams { top_k: Some(args.top_k.unwrap_or(4)), ..params.clone() };
-            let mut p = new_printer()?;
-            let g = deco_generate::contrastive_search(&mut LlamaSession::new(&model), &prompt_ids, &p_cs, args.penalty_alpha, &eos, &mut |t: &[u32]| p.push(t))?;
-            let first = p.first_token_at;
-            p.finish()?;
-            (g.tokens.len(), first)
+            let req = GenerateRequest::with_strategy(prompt_ids.clone(), p_cs, 1, EngineStrategy::ContrastiveSearch { penalty_alpha: args.penalty_alpha });
+            let run = run_on_engine(&model, &tok, req, args.top_k.unwrap_or(4).max(1) as usize + 1, EngineOptions::default(), &mut stream_to_stdout(1, false))?;
+            print_choices(&run.choices, "sample")?;
+            (run.choices[0].tokens, run.first_text_at)
         }
         Strategy::Contrastive => {
+            if args.n != 1 {
+                bail!("contrastive decoding generates one sequence; drop -n");
+            }
             let cd = ContrastiveDecodingParams { alpha: args.contrastive_alpha, amateur_temperature: args.amateur_temperature };
-            let second;
-            let mut amateur = match &args.amateur_model {
+            let amateur = match &args.amateur_model {
                 Some(path) => {
-                    second = load_second(path, &model)?;
-                    LlamaSession::new(&second)
+                    let m = load_second(path, &model)?;
+                    let num_layers = m.num_layers();
+                    DraftModel { model: m, num_layers }
                 }
-                None => LlamaSession::truncated(&model, args.amateur_layers)?,
+                None => DraftModel { model: model.clone(), num_layers: args.amateur_layers },
             };
-            let mut p = new_printer()?;
-            let g = deco_generate::contrastive_decoding(&mut LlamaSession::new(&model), &mut amateur, &prompt_ids, &params, &cd, &eos, &mut |t: &[u32]| p.push(t))?;
-            let first = p.first_token_at;
-            p.finish()?;
-            (g.tokens.len(), first)
+            let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::ContrastiveDecoding(cd));
+            let options = EngineOptions { draft: Some(amateur), ..EngineOptions::default() };
+            let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
+            print_choices(&run.choices, "sample")?;
+            (run.choices[0].tokens, run.first_text_at)
         }
         Strategy::Speculative => {
-            let mut p = new_printer()?;
-            let mut target = LlamaSession::new(&model);
+            if args.n != 1 {
+                bail!("speculative decoding generates one sequence; drop -n");
+            }
             let gamma = args.num_speculative_tokens;
-            let second;
-            let out = if args.prompt_lookup {
-                deco_generate::speculative_generate(&mut target, &mut PromptLookupDrafter::default(), &prompt_ids, &params, gamma, &eos, &mut |t: &[u32]| p.push(t))?
+            let (source, draft) = if args.prompt_lookup {
+                (DraftSource::PromptLookup(PromptLookupDrafter::default()), None)
             } else {
                 let draft = match &args.draft_model {
                     Some(path) => {
-                        second = load_second(path, &model)?;
-                        LlamaSession::new(&second)
+                        let m = load_second(path, &model)?;
+                        let num_layers = m.num_layers();
+                        DraftModel { model: m, num_layers }
                     }
-                    None => LlamaSession::truncated(&model, args.draft_layers)?,
+                    None => DraftModel { model: model.clone(), num_layers: args.draft_layers },
                 };
-                let mut drafter = ModelDrafter::new(draft, args.seed ^ 0x5eed_d4af)?;
-                deco_generate::speculative_generate(&mut target, &mut drafter, &prompt_ids, &params, gamma, &eos, &mut |t: &[u32]| p.push(t))?
+                (DraftSource::Model, Some(draft))
             };
-            let first = p.first_token_at;
-            p.finish()?;
-            let s = out.stats;
+            let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::Speculative { num_speculative_tokens: gamma, source });
+            let options = EngineOptions { draft, ..EngineOptions::default() };
+            let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
+            print_choices(&run.choices, "sample")?;
+            let rate = if run.drafted == 0 { 0.0 } else { run.accepted as f64 / run.drafted as f64 };
             extra = format!(
-                " drafted={} accepted={} acceptance_rate={:.3} target_forwards={}",
-                s.drafted,
-                s.accepted,
-                s.acceptance_rate(),
-                s.target_forward_calls
+                " drafted={} accepted={} acceptance_rate={rate:.3} target_forwards={} draft_forwards={}",
+                run.drafted, run.accepted, run.steps, run.draft_steps
             );
-            (out.generation.tokens.len(), first)
+            (run.choices[0].tokens, run.first_text_at)
         }
         Strategy::EarlyExit => {
             let cfg = EarlyExitConfig { entropy_threshold: args.exit_entropy, min_layers: args.exit_min_layers, check_every: args.exit_check_every };
-            let mut sampler = deco_decoding::Sampler::new(&params)?;
-            let stopping = deco_decoding::StoppingCriteria::from_params(&params, &eos)?;
-            let mut cache = DenseKvCache::new(model.num_layers());
-            let mut p = new_printer()?;
-            let mut logits = model.forward(&[SeqInput { seq: 0, tokens: &prompt_ids }], &mut cache, LogitsWanted::Last)?.logits_rows()?.remove(0);
-            let mut output: Vec<u32> = Vec::new();
-            let mut stats = EarlyExitStats::default();
-            let budget = args.max_new_tokens.min(model.max_context() - prompt_ids.len());
-            loop {
-                let ctx = deco_decoding::ProcessContext::new(&prompt_ids, &output, &eos);
-                let token = sampler.sample(&ctx, &mut logits)?.token;
-                output.push(token);
-                let user_stop = p.push(&[token]);
-                if stopping.check(token, output.len()).is_some() || user_stop || output.len() >= budget {
-                    break;
-                }
-                let step = model.forward_early_exit(0, token, &mut cache, &cfg)?;
-                stats.record(&step, model.num_layers());
-                logits = step.logits;
-            }
-            let first = p.first_token_at;
-            p.finish()?;
-            extra = format!(" layers_skipped={:.3}", stats.skipped_fraction());
-            (output.len(), first)
+            let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), args.n, EngineStrategy::EarlyExit(cfg));
+            let run = run_on_engine(&model, &tok, req, args.n, EngineOptions::default(), &mut stream_to_stdout(args.n, args.logprobs.is_some()))?;
+            print_choices(&run.choices, "sample")?;
+            let skipped = if run.exit_layers_total == 0 { 0.0 } else { 1.0 - run.exit_layers_run as f64 / run.exit_layers_total as f64 };
+            extra = format!(" layers_skipped={skipped:.3}");
+            (run.choices.iter().map(|c| c.tokens).sum(), run.first_text_at)
         }
     };
     let total_s = t0.elapsed().as_secs_f64();

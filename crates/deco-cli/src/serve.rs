@@ -5,7 +5,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use deco_formats::chat_template::ChatTemplate;
-use deco_serve::{EngineConfig, SchedulerConfig, ServerState};
+use deco_generate::{DraftSource, PromptLookupDrafter};
+use deco_serve::{DraftModel, EngineConfig, EngineOptions, SchedulerConfig, ServerState, Speculation};
 
 use crate::ModelArgs;
 
@@ -45,6 +46,28 @@ pub struct ServeArgs {
     /// (`T × temperature`, `clamp(P × top_p)`); greedy requests stay greedy.
     #[arg(long)]
     autodeco: Option<std::path::PathBuf>,
+    /// Speculative decoding (vLLM's flag): a draft model (GGUF or HF dir) sharing the
+    /// tokenizer, or `[ngram]` for prompt lookup. Every request with n = 1, no structured output
+    /// and no logprobs is then decoded speculatively (same output distribution).
+    #[arg(long, conflicts_with = "speculative_draft_layers")]
+    speculative_model: Option<String>,
+    /// Speculative decoding with the served model's first K layers as the draft
+    /// (self-speculative; a deco extension).
+    #[arg(long)]
+    speculative_draft_layers: Option<usize>,
+    /// Draft tokens per speculative round (vLLM's flag).
+    #[arg(long, default_value_t = 5)]
+    num_speculative_tokens: usize,
+    /// Prompt lookup (`[ngram]`): longest n-gram matched (vLLM's flag).
+    #[arg(long, default_value_t = 2)]
+    ngram_prompt_lookup_max: usize,
+    /// Contrastive decoding's amateur (GGUF or HF dir) sharing the tokenizer: requests may then
+    /// ask for `contrastive_decoding` (Li et al. 2023).
+    #[arg(long, conflicts_with = "amateur_layers")]
+    amateur_model: Option<std::path::PathBuf>,
+    /// Contrastive decoding with the served model's first K layers as the amateur.
+    #[arg(long)]
+    amateur_layers: Option<usize>,
 }
 
 /// Binds the listener, prints `listening on http://ADDR` and answers 503 (`/health` too) while
@@ -85,7 +108,38 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
     let max_context = model.max_context();
     let heads = args.autodeco.as_deref().map(deco_autodeco::HostHeads::load).transpose()?;
-    let (engine, join) = deco_serve::spawn_engine_with(model, tokenizer.clone(), config, heads)?;
+    let (draft, source) = match (&args.speculative_model, args.speculative_draft_layers) {
+        (Some(m), _) if m == "[ngram]" => {
+            anyhow::ensure!(args.ngram_prompt_lookup_max >= 1, "--ngram-prompt-lookup-max must be at least 1");
+            (None, Some(DraftSource::PromptLookup(PromptLookupDrafter { max_matching_ngram_size: args.ngram_prompt_lookup_max })))
+        }
+        (Some(path), _) => {
+            let ck = deco_formats::checkpoint::Checkpoint::open(path)?;
+            let d = deco_model::Llama::load(&ck, &device, args.max_model_len).with_context(|| format!("loading the draft model {path}"))?;
+            let num_layers = d.num_layers();
+            (Some(DraftModel { model: d, num_layers }), Some(DraftSource::Model))
+        }
+        (None, Some(k)) => (Some(DraftModel { model: model.clone(), num_layers: k }), Some(DraftSource::Model)),
+        (None, None) => (None, None),
+    };
+    let amateur = match (&args.amateur_model, args.amateur_layers) {
+        (Some(path), _) => {
+            let ck = deco_formats::checkpoint::Checkpoint::open(path)?;
+            let a = deco_model::Llama::load(&ck, &device, args.max_model_len).with_context(|| format!("loading the amateur model {}", path.display()))?;
+            let num_layers = a.num_layers();
+            Some(DraftModel { model: a, num_layers })
+        }
+        (None, Some(k)) => Some(DraftModel { model: model.clone(), num_layers: k }),
+        (None, None) => None,
+    };
+    // The engine has one second model: the draft or the amateur.
+    let draft = match (draft, amateur) {
+        (Some(_), Some(_)) => anyhow::bail!("a speculative draft model and a contrastive-decoding amateur cannot both be loaded (the engine has one second model)"),
+        (d, a) => d.or(a),
+    };
+    let speculation = source.map(|source| Speculation { num_speculative_tokens: args.num_speculative_tokens, source });
+    let options = EngineOptions { autodeco: heads, draft, speculation };
+    let (engine, join) = deco_serve::spawn_engine_opts(model, tokenizer.clone(), config, options)?;
     gate.set_ready(Arc::new(ServerState::new(engine, tokenizer, template, model_name.clone())))?;
     eprintln!(
         "deco serve: model `{model_name}` (context {max_context}) ready, KV cache {num_blocks} blocks x {} tokens ({} MiB)",

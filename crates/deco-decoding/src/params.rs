@@ -98,6 +98,11 @@ pub struct SamplingParams {
     /// RNG seed; the same seed and parameters give the same tokens. Absent: random seed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// Keep generating past the model's end-of-sequence tokens (vLLM's `ignore_eos`;
+    /// benchmarks). `stop_token_ids`, stop strings and the length limit still apply. Absent:
+    /// `false`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ignore_eos: Option<bool>,
     /// Number of most likely alternatives to report per token, `0..=`[`MAX_LOGPROBS`]
     /// (vLLM/OpenAI-completions `logprobs`; a chat request's `top_logprobs`). `Some(0)` reports
     /// only the chosen token's log-probabilities. Absent: none.
@@ -139,7 +144,7 @@ impl SamplingParams {
         "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
         "repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size", "logit_bias",
         "bad_words_ids", "min_new_tokens", "max_new_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
-        "seed", "logprobs",
+        "seed", "ignore_eos", "logprobs",
     ];
 
     /// Parses a JSON object (unknown fields ignored) and validates it.
@@ -302,6 +307,7 @@ impl SamplingParams {
             stop_token_ids,
             include_stop_str_in_output,
             seed,
+            ignore_eos,
             logprobs
         )
     }

@@ -65,8 +65,9 @@ impl StoppingCriteria {
     /// # Errors
     /// `max_new_tokens == Some(0)`.
     pub fn from_params(params: &SamplingParams, eos_token_ids: &[u32]) -> Result<Self> {
+        let eos = if params.ignore_eos == Some(true) { Vec::new() } else { eos_token_ids.to_vec() };
         Self::new(
-            eos_token_ids.to_vec(),
+            eos,
             params.stop_token_ids.clone().unwrap_or_default(),
             params.max_new_tokens,
         )

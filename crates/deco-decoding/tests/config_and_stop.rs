@@ -144,6 +144,7 @@ fn fields_list_is_the_serde_field_set() {
         stop_token_ids: Some(vec![]),
         include_stop_str_in_output: Some(false),
         seed: Some(0),
+        ignore_eos: Some(false),
         logprobs: Some(0),
     };
     let v = serde_json::to_value(&full).unwrap();

@@ -221,7 +221,7 @@ impl BeamSearch {
             })
             .collect();
         self.result = sequences;
-        Step { ops, output }
+        Step { ops, output, ..Step::default() }
     }
 }
 
@@ -241,7 +241,8 @@ impl StepMachine for BeamSearch {
                 .iter()
                 .find(|r| r.seq == bm.seq)
                 .ok_or_else(|| GenerateError::InvalidInput(format!("beam search: no row for sequence {}", bm.seq)))?;
-            let mut lp = math::log_softmax(&row.logits);
+            let logits = row.last().ok_or_else(|| GenerateError::InvalidInput(format!("beam search: empty rows for sequence {}", bm.seq)))?;
+            let mut lp = math::log_softmax(logits);
             self.processors.process(&ProcessContext::new(&self.prompt, &bm.tokens, &self.eos), &mut lp)?;
             // Keep only this beam's best n_keep (no other can enter the global top n_keep).
             let mut idx: Vec<usize> = (0..lp.len()).filter(|&v| lp[v] > f32::NEG_INFINITY && !lp[v].is_nan()).collect();
@@ -292,7 +293,7 @@ impl StepMachine for BeamSearch {
         if self.cur_len == self.budget {
             return Ok(self.finish(false, ops));
         }
-        ops.extend(self.beams.iter().map(|bm| Op::Feed { seq: bm.seq, tokens: vec![bm.tokens[bm.tokens.len() - 1]] }));
-        Ok(Step { ops, output: Vec::new() })
+        ops.extend(self.beams.iter().map(|bm| Op::Feed { seq: bm.seq, tokens: vec![bm.tokens[bm.tokens.len() - 1]], rows: 1, hidden: false }));
+        Ok(Step { ops, ..Step::default() })
     }
 }

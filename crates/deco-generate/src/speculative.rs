@@ -1,17 +1,16 @@
 //! Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers via
 //! Speculative Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model
-//! Decoding with Speculative Sampling", Algorithm 2) with three drafters: a second model or the
-//! target's first layers ([`ModelDrafter`]) and prompt lookup ([`PromptLookupDrafter`]).
+//! Decoding with Speculative Sampling", Algorithm 2) as a step machine of the serving engine
+//! ([`Speculative`]) with three draft sources: a second model or the target's first layers (the
+//! engine's draft model, [`DraftSource::Model`]) and prompt lookup ([`PromptLookupDrafter`]).
 
 use deco_decoding::{
     FinishReason, LogitsProcessor, LogitsProcessorList, ProcessContext, Sampler, SamplerOrder, SamplingParams,
     StoppingCriteria, math,
 };
-use deco_model::LogitsWanted;
 
 use crate::error::{GenerateError, Result, invalid};
-use crate::lm::CausalLm;
-use crate::sample::{Generation, TokenSink};
+use crate::step::{Choice, Op, Role, SeqRows, Step, StepMachine};
 
 /// The processed next-token distribution of a request: its processor chain (in Hugging Face
 /// order) followed by softmax, or, for greedy requests, the one-hot distribution on the argmax
@@ -68,101 +67,11 @@ pub struct Draft {
     pub q: Option<Vec<f32>>,
 }
 
-/// Proposes continuation tokens for speculative decoding.
-pub trait Drafter {
-    /// Proposes up to `gamma` tokens continuing `prompt ++ output` (may return fewer, even
-    /// none).
-    ///
-    /// # Errors
-    /// Model or processing errors.
-    fn propose(&mut self, prompt: &[u32], output: &[u32], eos: &[u32], gamma: usize, processing: &Processing) -> Result<Vec<Draft>>;
-
-    /// The first `len` tokens of `prompt ++ output` are final and agree with what this drafter
-    /// saw; anything it cached beyond them must be dropped.
-    ///
-    /// # Errors
-    /// Model errors.
-    fn rollback(&mut self, len: usize) -> Result<()>;
-}
-
-/// A draft language model (a second, smaller model sharing the tokenizer, or the target's first
-/// `k` layers via [`LlamaSession::truncated`](crate::LlamaSession::truncated)). Samples each
-/// draft token from its processed distribution with its own seeded RNG.
-#[derive(Debug)]
-pub struct ModelDrafter<L: CausalLm> {
-    lm: L,
-    fed: usize,
-    rng: Sampler,
-    /// Forward passes run by the draft model.
-    pub forward_calls: usize,
-}
-
-impl<L: CausalLm> ModelDrafter<L> {
-    /// Wraps a draft model; `seed` seeds its RNG (draws are independent of the target's).
-    ///
-    /// # Errors
-    /// None in practice (the empty processor list is always valid).
-    pub fn new(mut lm: L, seed: u64) -> Result<Self> {
-        lm.remove(0);
-        let rng = Sampler::from_processors(LogitsProcessorList::new(), false, Some(seed), None)?;
-        Ok(Self { lm, fed: 0, rng, forward_calls: 0 })
-    }
-
-    /// The wrapped model.
-    pub fn into_inner(self) -> L {
-        self.lm
-    }
-}
-
-impl<L: CausalLm> Drafter for ModelDrafter<L> {
-    fn propose(&mut self, prompt: &[u32], output: &[u32], eos: &[u32], gamma: usize, processing: &Processing) -> Result<Vec<Draft>> {
-        let ctx: Vec<u32> = prompt.iter().chain(output).copied().collect();
-        let gamma = gamma.min(self.lm.max_context().saturating_sub(ctx.len()));
-        if gamma == 0 {
-            return Ok(Vec::new());
-        }
-        if self.fed >= ctx.len() {
-            // Re-feed the last token to get its logits.
-            self.fed = ctx.len() - 1;
-            self.lm.truncate(0, self.fed)?;
-        }
-        let mut feed: Vec<u32> = ctx[self.fed..].to_vec();
-        let mut drafted_out = output.to_vec();
-        let mut out = Vec::with_capacity(gamma);
-        for _ in 0..gamma {
-            let logits = self.lm.forward(&[(0, &feed)], LogitsWanted::Last, false)?.logits.remove(0);
-            self.forward_calls += 1;
-            self.fed += feed.len();
-            let q = processing.probs(prompt, &drafted_out, eos, logits)?;
-            let token = if processing.is_greedy() {
-                q.iter().position(|&x| x == 1.0).unwrap_or(0) as u32
-            } else {
-                self.rng.sample_weights(&q)?
-            };
-            drafted_out.push(token);
-            out.push(Draft { token, q: Some(q) });
-            if eos.contains(&token) {
-                break;
-            }
-            feed = vec![token];
-        }
-        Ok(out)
-    }
-
-    fn rollback(&mut self, len: usize) -> Result<()> {
-        if len < self.fed {
-            self.fed = len;
-            self.lm.truncate(0, len)?;
-        }
-        Ok(())
-    }
-}
-
 /// Prompt-lookup decoding (Saxena 2023; Hugging Face `PromptLookupCandidateGenerator`): find the
 /// last `n`-gram of the context earlier in the context (`n` from `max_matching_ngram_size`
 /// down to 1, earliest match first) and propose the tokens that followed it. Deterministic
 /// (`q` one-hot), no model.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PromptLookupDrafter {
     /// Longest n-gram matched (Hugging Face `max_matching_ngram_size`, default 2).
     pub max_matching_ngram_size: usize,
@@ -195,17 +104,6 @@ impl PromptLookupDrafter {
     }
 }
 
-impl Drafter for PromptLookupDrafter {
-    fn propose(&mut self, prompt: &[u32], output: &[u32], _eos: &[u32], gamma: usize, _p: &Processing) -> Result<Vec<Draft>> {
-        let ctx: Vec<u32> = prompt.iter().chain(output).copied().collect();
-        Ok(self.lookup(&ctx, gamma).into_iter().map(|token| Draft { token, q: None }).collect())
-    }
-
-    fn rollback(&mut self, _len: usize) -> Result<()> {
-        Ok(())
-    }
-}
-
 /// Counters of a speculative run.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SpeculativeStats {
@@ -224,15 +122,6 @@ impl SpeculativeStats {
     pub fn acceptance_rate(&self) -> f64 {
         if self.drafted == 0 { 0.0 } else { self.accepted as f64 / self.drafted as f64 }
     }
-}
-
-/// Result of [`speculative_generate`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct SpeculativeOutput {
-    /// The generation.
-    pub generation: Generation,
-    /// Counters (acceptance rate...).
-    pub stats: SpeculativeStats,
 }
 
 /// Accept/reject step for one draft token `x` with target distribution `p` and draft `q`
@@ -258,114 +147,257 @@ pub fn accept_or_residual(p: &[f32], q: Option<&[f32]>, x: u32, u: f64) -> std::
     })
 }
 
-/// Speculative decoding of one sequence (sequence 0 of `target`).
+/// Where the draft tokens of [`Speculative`] come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSource {
+    /// The engine's draft model (a second model sharing the tokenizer, or the target's first
+    /// layers: self-speculative decoding), each token drawn from its processed distribution `q`
+    /// with the strategy's own seeded draft RNG.
+    Model,
+    /// Prompt lookup: deterministic proposals (`q` one-hot), no model.
+    PromptLookup(PromptLookupDrafter),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the prompt's row.
+    Start,
+    /// Waiting for a draft-model row.
+    Drafting,
+    /// Waiting for the target's verification rows.
+    Verifying,
+}
+
+/// Speculative decoding of one sequence as a [`StepMachine`] (Leviathan et al. 2023,
+/// Algorithm 1; Chen et al. 2023, Algorithm 2).
 ///
-/// Each round: the drafter proposes `γ = min(num_speculative_tokens, tokens left - 1)` tokens
-/// with distributions `q_i`; the target scores the pending context tokens and the drafts in one
-/// forward ([`LogitsWanted::All`]), giving `p_1..p_{γ+1}` (processed with the same chain as
-/// `q`, see [`Processing`]). Draft `i` is accepted with probability `min(1, p_i(x)/q_i(x))`
-/// (one uniform from the request's seeded RNG); at the first rejection a token is drawn from
-/// `norm(max(p_i - q_i, 0))` and the round ends; if all are accepted a bonus token is drawn
-/// from `p_{γ+1}`. The target's cache is then truncated to the accepted prefix and the
-/// drafter rolls back. The output follows the target's processed distribution exactly; for a
-/// greedy request it equals plain greedy decoding token for token.
-///
-/// # Errors
-/// `num_speculative_tokens == 0`, invalid `params`, an empty / too long prompt, model errors.
-pub fn speculative_generate(
-    target: &mut dyn CausalLm,
-    drafter: &mut dyn Drafter,
-    prompt: &[u32],
-    params: &SamplingParams,
+/// The first token is drawn from the prompt's row. Then each round, with `t` the newest token
+/// (not yet computed by the target): `γ = min(num_speculative_tokens, tokens left - 1, context
+/// left - 1)` draft tokens `d_i` with distributions `q_i` are proposed (from the draft model, one
+/// batched draft-model forward of the engine per token, or by prompt lookup), and the target
+/// computes `[t, d_1..d_γ]` in one chunk of the engine's batched forward with every row
+/// returned: `p_1..p_{γ+1}`, processed with the same chain as `q` ([`Processing`]). Draft `i` is
+/// accepted with probability `min(1, p_i(x)/q_i(x))` (one uniform of the request's seeded RNG);
+/// at the first rejection a token is drawn from `norm(max(p_i - q_i, 0))` and the round ends;
+/// if all are accepted a bonus token is drawn from `p_{γ+1}`. The target's and the draft's
+/// sequences are then truncated to the accepted prefix ([`Op::Truncate`],
+/// [`Op::DraftTruncate`]). The output follows the target's processed distribution exactly; for
+/// a greedy request it equals plain greedy decoding token for token. Accepted tokens are
+/// released as soon as a round ends.
+#[derive(Debug)]
+pub struct Speculative {
+    prompt: Vec<u32>,
+    processing: Processing,
+    stopping: StoppingCriteria,
+    eos: Vec<u32>,
+    rng: Sampler,
+    draft_rng: Sampler,
+    source: DraftSource,
     num_speculative_tokens: usize,
-    eos_token_ids: &[u32],
-    sink: &mut TokenSink<'_>,
-) -> Result<SpeculativeOutput> {
-    if num_speculative_tokens == 0 {
-        return Err(invalid("num_speculative_tokens", "must be >= 1", 0));
+    budget: usize,
+    max_context: usize,
+    /// Generated tokens; the last one is not yet computed by the target after a round.
+    output: Vec<u32>,
+    /// This round's drafts.
+    drafts: Vec<Draft>,
+    /// This round's draft length.
+    gamma: usize,
+    /// Tokens of `prompt ++ output ++ drafts` the draft model has cached.
+    draft_fed: usize,
+    phase: Phase,
+    stats: SpeculativeStats,
+}
+
+impl Speculative {
+    /// A speculative decoding of `prompt` (prefilled as target sequence 0 when the engine first
+    /// calls [`StepMachine::advance`]) for a target with context `max_context`.
+    ///
+    /// # Errors
+    /// `num_speculative_tokens == 0`, invalid `params`, an empty or too long prompt.
+    pub fn new(prompt: &[u32], params: &SamplingParams, source: DraftSource, num_speculative_tokens: usize, eos_token_ids: &[u32], max_context: usize) -> Result<Self> {
+        if num_speculative_tokens == 0 {
+            return Err(invalid("num_speculative_tokens", "must be >= 1", 0));
+        }
+        let seed = params.seed;
+        Ok(Self {
+            prompt: prompt.to_vec(),
+            processing: Processing::new(params)?,
+            stopping: StoppingCriteria::from_params(params, eos_token_ids)?,
+            eos: eos_token_ids.to_vec(),
+            rng: Sampler::from_processors(LogitsProcessorList::new(), false, seed, None)?,
+            draft_rng: Sampler::from_processors(LogitsProcessorList::new(), false, seed.map(|s| s ^ 0x5eed_d4af), None)?,
+            source,
+            num_speculative_tokens,
+            budget: crate::sample::budget(max_context, prompt, params)?,
+            max_context,
+            output: Vec::new(),
+            drafts: Vec::new(),
+            gamma: 0,
+            draft_fed: 0,
+            phase: Phase::Start,
+            stats: SpeculativeStats::default(),
+        })
     }
-    let processing = Processing::new(params)?;
-    let stopping = StoppingCriteria::from_params(params, eos_token_ids)?;
-    let mut rng = Sampler::from_processors(LogitsProcessorList::new(), false, params.seed, None)?;
-    let budget = crate::sample::budget(target.max_context(), prompt, params)?;
-    let seq = 0;
-    target.remove(seq);
-    let mut stats = SpeculativeStats::default();
-    let mut fed = 0;
-    if prompt.len() > 1 {
-        target.forward(&[(seq, &prompt[..prompt.len() - 1])], LogitsWanted::Last, false)?;
-        stats.target_forward_calls += 1;
-        fed = prompt.len() - 1;
+
+    /// Counters so far (rounds, drafted, accepted, target forwards including the prefill).
+    pub fn stats(&self) -> SpeculativeStats {
+        self.stats
     }
-    let mut g = Generation::new();
-    'outer: while g.tokens.len() < budget {
-        let ctx_len = prompt.len() + g.tokens.len();
-        let room = (budget - g.tokens.len() - 1).min(target.max_context().saturating_sub(ctx_len + 1));
-        let gamma = num_speculative_tokens.min(room);
-        let drafts = if gamma > 0 { drafter.propose(prompt, &g.tokens, eos_token_ids, gamma, &processing)? } else { Vec::new() };
-        let drafts = &drafts[..drafts.len().min(gamma)];
-        let mut feed: Vec<u32> = prompt.iter().chain(&g.tokens).skip(fed).copied().collect();
-        let pending = feed.len();
-        feed.extend(drafts.iter().map(|d| d.token));
-        let rows = target.forward(&[(seq, &feed)], LogitsWanted::All, false)?.logits;
-        stats.target_forward_calls += 1;
-        stats.rounds += 1;
-        stats.drafted += drafts.len();
-        let mut rows = rows.into_iter().skip(pending - 1);
-        let mut new_tokens = Vec::with_capacity(drafts.len() + 1);
-        let mut accepted = 0;
-        let mut finished = None;
-        for d in drafts {
-            let row = rows.next().ok_or_else(|| GenerateError::InvalidInput("target returned too few rows".into()))?;
-            let p = processing.probs(prompt, &g.tokens, eos_token_ids, row)?;
-            let u = rng.uniform();
-            let token = match accept_or_residual(&p, d.q.as_deref(), d.token, u) {
-                Ok(()) => {
-                    accepted += 1;
-                    d.token
+
+    fn ctx(&self) -> Vec<u32> {
+        self.prompt.iter().chain(&self.output).chain(self.drafts.iter().map(|d| &d.token)).copied().collect()
+    }
+
+    /// Appends a committed token; `Some(reason)` when it ends the sequence.
+    fn commit(&mut self, token: u32) -> Option<FinishReason> {
+        self.output.push(token);
+        let n = self.output.len();
+        self.stopping.check(token, n).or((n >= self.budget).then_some(FinishReason::Length))
+    }
+
+    /// Ends the request: removes the sequences and releases the last tokens.
+    fn finish(&mut self, tokens: Vec<u32>, reason: FinishReason, mut step: Step) -> Step {
+        step.ops.push(Op::Remove(0));
+        if self.source == DraftSource::Model && self.draft_fed > 0 {
+            step.ops.push(Op::DraftRemove(0));
+        }
+        step.output.push(Choice { index: 0, tokens, finish: Some(reason), cumulative_logprob: None });
+        step
+    }
+
+    /// Starts a round after the newest token: drafts (or feeds the target directly).
+    fn round(&mut self, mut step: Step) -> Result<Step> {
+        let ctx_len = self.prompt.len() + self.output.len();
+        let room = (self.budget - self.output.len()).saturating_sub(1).min(self.max_context.saturating_sub(ctx_len + 1));
+        self.gamma = self.num_speculative_tokens.min(room);
+        self.drafts.clear();
+        match self.source {
+            DraftSource::PromptLookup(d) if self.gamma > 0 => {
+                self.drafts = d.lookup(&self.ctx(), self.gamma).into_iter().map(|token| Draft { token, q: None }).collect();
+            }
+            DraftSource::Model if self.gamma > 0 => {
+                let ctx = self.ctx();
+                step.ops.push(Op::DraftFeed { seq: 0, tokens: ctx[self.draft_fed..].to_vec() });
+                self.draft_fed = ctx.len();
+                self.phase = Phase::Drafting;
+                return Ok(step);
+            }
+            _ => {}
+        }
+        Ok(self.verify(step))
+    }
+
+    /// Feeds the target the newest token and the drafts, every row wanted.
+    fn verify(&mut self, mut step: Step) -> Step {
+        let t = self.output[self.output.len() - 1];
+        let mut tokens = vec![t];
+        tokens.extend(self.drafts.iter().map(|d| d.token));
+        let rows = tokens.len();
+        step.ops.push(Op::Feed { seq: 0, tokens, rows, hidden: false });
+        self.phase = Phase::Verifying;
+        step
+    }
+}
+
+fn row_of(rows: &[SeqRows], role: Role) -> Result<&SeqRows> {
+    rows.iter().find(|r| r.seq == 0 && r.role == role).ok_or_else(|| GenerateError::InvalidInput(format!("speculative decoding: no {role:?} rows")))
+}
+
+impl StepMachine for Speculative {
+    fn num_choices(&self) -> usize {
+        1
+    }
+
+    fn advance(&mut self, rows: Vec<SeqRows>) -> Result<Step> {
+        let step = Step::default();
+        match self.phase {
+            Phase::Start => {
+                self.stats.target_forward_calls += 1;
+                let r = row_of(&rows, Role::Target)?;
+                let logits = r.last().ok_or_else(|| GenerateError::InvalidInput("speculative decoding: empty prompt row".into()))?.to_vec();
+                let p = self.processing.probs(&self.prompt, &self.output, &self.eos, logits)?;
+                let token = self.rng.sample_weights(&p)?;
+                if let Some(reason) = self.commit(token) {
+                    return Ok(self.finish(vec![token], reason, step));
                 }
-                Err(residual) => match rng.sample_weights(&residual) {
-                    Ok(t) => t,
-                    // p == q up to rounding: the residual is empty, draw from p.
-                    Err(deco_decoding::DecodingError::NoValidToken) => rng.sample_weights(&p)?,
-                    Err(e) => return Err(e.into()),
-                },
-            };
-            g.tokens.push(token);
-            g.logprobs.push(p[token as usize].ln());
-            new_tokens.push(token);
-            if let Some(r) = stopping.check(token, g.tokens.len()) {
-                finished = Some(r);
-                break;
+                let mut step = step;
+                step.output.push(Choice { index: 0, tokens: vec![token], finish: None, cumulative_logprob: None });
+                self.round(step)
             }
-            if token != d.token {
-                break;
+            Phase::Drafting => {
+                let r = row_of(&rows, Role::Draft)?;
+                let logits = r.last().ok_or_else(|| GenerateError::InvalidInput("speculative decoding: empty draft row".into()))?.to_vec();
+                let drafted: Vec<u32> = self.output.iter().copied().chain(self.drafts.iter().map(|d| d.token)).collect();
+                let q = self.processing.probs(&self.prompt, &drafted, &self.eos, logits)?;
+                let token = if self.processing.is_greedy() { q.iter().position(|&x| x == 1.0).unwrap_or(0) as u32 } else { self.draft_rng.sample_weights(&q)? };
+                self.drafts.push(Draft { token, q: Some(q) });
+                if self.drafts.len() < self.gamma && !self.eos.contains(&token) {
+                    let mut step = step;
+                    step.ops.push(Op::DraftFeed { seq: 0, tokens: vec![token] });
+                    self.draft_fed += 1;
+                    return Ok(step);
+                }
+                Ok(self.verify(step))
+            }
+            Phase::Verifying => {
+                self.stats.target_forward_calls += 1;
+                self.stats.rounds += 1;
+                let r = row_of(&rows, Role::Target)?;
+                let drafts = std::mem::take(&mut self.drafts);
+                if r.logits.len() != drafts.len() + 1 {
+                    return Err(GenerateError::InvalidInput(format!("speculative decoding: {} rows for {} drafts", r.logits.len(), drafts.len())));
+                }
+                let mut step = step;
+                step.drafted = drafts.len();
+                let mut new_tokens = Vec::with_capacity(drafts.len() + 1);
+                let mut accepted = 0;
+                let mut finished = None;
+                for (d, row) in drafts.iter().zip(&r.logits) {
+                    let p = self.processing.probs(&self.prompt, &self.output, &self.eos, row.clone())?;
+                    let u = self.rng.uniform();
+                    let token = match accept_or_residual(&p, d.q.as_deref(), d.token, u) {
+                        Ok(()) => {
+                            accepted += 1;
+                            d.token
+                        }
+                        Err(residual) => match self.rng.sample_weights(&residual) {
+                            Ok(t) => t,
+                            // p == q up to rounding: the residual is empty, draw from p.
+                            Err(deco_decoding::DecodingError::NoValidToken) => self.rng.sample_weights(&p)?,
+                            Err(e) => return Err(e.into()),
+                        },
+                    };
+                    new_tokens.push(token);
+                    finished = self.commit(token);
+                    if finished.is_some() || token != d.token {
+                        break;
+                    }
+                }
+                if finished.is_none() && accepted == drafts.len() {
+                    let row = &r.logits[drafts.len()];
+                    let p = self.processing.probs(&self.prompt, &self.output, &self.eos, row.clone())?;
+                    let token = self.rng.sample_weights(&p)?;
+                    new_tokens.push(token);
+                    finished = self.commit(token);
+                }
+                self.stats.drafted += drafts.len();
+                self.stats.accepted += accepted;
+                step.accepted = accepted;
+                if let Some(reason) = finished {
+                    return Ok(self.finish(new_tokens, reason, step));
+                }
+                // Keep everything computed up to (not including) the newest token.
+                let keep = self.prompt.len() + self.output.len() - 1;
+                if accepted < drafts.len() {
+                    step.ops.push(Op::Truncate { seq: 0, len: keep });
+                }
+                if self.draft_fed > keep {
+                    step.ops.push(Op::DraftTruncate { seq: 0, len: keep });
+                    self.draft_fed = keep;
+                }
+                step.output.push(Choice { index: 0, tokens: new_tokens, finish: None, cumulative_logprob: None });
+                self.round(step)
             }
         }
-        stats.accepted += accepted;
-        if finished.is_none() && accepted == drafts.len() {
-            let row = rows.next().ok_or_else(|| GenerateError::InvalidInput("target returned too few rows".into()))?;
-            let p = processing.probs(prompt, &g.tokens, eos_token_ids, row)?;
-            let token = rng.sample_weights(&p)?;
-            g.tokens.push(token);
-            g.logprobs.push(p[token as usize].ln());
-            new_tokens.push(token);
-            finished = stopping.check(token, g.tokens.len());
-        }
-        let user_stop = sink(&new_tokens);
-        if let Some(r) = finished {
-            g.finish_reason = r;
-            break 'outer;
-        }
-        if user_stop {
-            g.finish_reason = FinishReason::Stop;
-            break;
-        }
-        // Keep the cache up to (not including) the newest token.
-        fed = ctx_len + accepted;
-        target.truncate(seq, fed)?;
-        drafter.rollback(fed)?;
     }
-    target.remove(seq);
-    Ok(SpeculativeOutput { generation: g, stats })
 }

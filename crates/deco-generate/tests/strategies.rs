@@ -23,8 +23,120 @@ fn greedy_params(max_new: usize) -> SamplingParams {
     SamplingParams { temperature: Some(0.0), max_new_tokens: Some(max_new), seed: Some(1), ..Default::default() }
 }
 
-fn no_sink() -> impl FnMut(&[u32]) -> bool {
-    |_: &[u32]| false
+/// Plain greedy decoding on a fake model (the reference the strategies are compared with):
+/// argmax of the processed logits until an EOS or `max_new_tokens`.
+fn greedy_reference(lm: &mut FnLm, prompt: &[u32], params: &SamplingParams, eos: &[u32]) -> Vec<u32> {
+    use deco_decoding::{LogitsProcessor, LogitsProcessorList, ProcessContext, SamplerOrder};
+    let processors = LogitsProcessorList::from_params(params, SamplerOrder::HuggingFace).expect("processors");
+    let mut ctx: Vec<u32> = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < params.max_new_tokens.expect("max_new_tokens") {
+        lm.remove(0);
+        let mut logits = lm.forward(&[(0, &ctx)], deco_model::LogitsWanted::Last, false).expect("forward").logits.remove(0);
+        processors.process(&ProcessContext::new(prompt, &out, eos), &mut logits).expect("process");
+        let t = math::argmax(&logits).expect("argmax") as u32;
+        out.push(t);
+        ctx.push(t);
+        if eos.contains(&t) {
+            break;
+        }
+    }
+    lm.remove(0);
+    out
+}
+
+/// What a step machine released, per choice, and the forward passes it took.
+struct Driven {
+    tokens: Vec<Vec<u32>>,
+    finish: Vec<Option<deco_decoding::FinishReason>>,
+    /// Streamed pieces of choice 0 (one per step that released tokens).
+    pieces: Vec<Vec<u32>>,
+    target_forwards: usize,
+    draft_forwards: usize,
+}
+
+/// Test harness for step machines on fake models: applies the machine's operations to `target`
+/// and `draft` (local sequence ids used as the models' ids) and feeds it the rows, one forward
+/// per step, as the serving engine does with its paged caches (without other requests in the
+/// batch). Also checks the protocol: one model fed per step, every choice finished once and
+/// nothing released after, every sequence removed at the end.
+fn drive(m: &mut dyn StepMachine, target: &mut FnLm, mut draft: Option<&mut FnLm>, prompt: &[u32]) -> Result<Driven> {
+    use deco_model::LogitsWanted;
+    use std::collections::BTreeSet;
+    let n = m.num_choices();
+    let mut out = Driven { tokens: vec![Vec::new(); n], finish: vec![None; n], pieces: Vec::new(), target_forwards: 1, draft_forwards: 0 };
+    target.remove(0);
+    if let Some(d) = draft.as_deref_mut() {
+        d.remove(0);
+    }
+    let (want, want_hidden) = m.prompt_rows();
+    let first = target.forward(&[(0, prompt)], LogitsWanted::All, want_hidden)?;
+    let from = prompt.len() - want;
+    let hidden = if want_hidden { first.hidden[from..].to_vec() } else { Vec::new() };
+    let mut rows = vec![SeqRows { seq: 0, role: Role::Target, logits: first.logits[from..].to_vec(), hidden }];
+    let (mut live, mut draft_live) = (BTreeSet::from([0u32]), BTreeSet::new());
+    loop {
+        let step = m.advance(rows)?;
+        for c in &step.output {
+            assert!(out.finish[c.index].is_none(), "choice {} released after its end", c.index);
+            out.tokens[c.index].extend(&c.tokens);
+            out.finish[c.index] = c.finish;
+            if c.index == 0 && !c.tokens.is_empty() {
+                out.pieces.push(c.tokens.clone());
+            }
+        }
+        let (mut feeds, mut draft_feeds) = (Vec::new(), Vec::new());
+        for op in step.ops {
+            match op {
+                Op::Fork { from, to } => {
+                    assert!(live.contains(&from) && live.insert(to), "fork {from} -> {to}");
+                    target.fork(u64::from(from), u64::from(to))?;
+                }
+                Op::Remove(seq) => {
+                    assert!(live.remove(&seq), "remove {seq}");
+                    target.remove(u64::from(seq));
+                }
+                Op::Truncate { seq, len } => target.truncate(u64::from(seq), len)?,
+                Op::Feed { seq, tokens, rows, hidden } => feeds.push((seq, tokens, rows, hidden)),
+                Op::DraftFeed { seq, tokens } => {
+                    draft_live.insert(seq);
+                    draft_feeds.push((seq, tokens));
+                }
+                Op::DraftTruncate { seq, len } => draft.as_deref_mut().expect("a draft model").truncate(u64::from(seq), len)?,
+                Op::DraftRemove(seq) => {
+                    assert!(draft_live.remove(&seq), "draft remove {seq}");
+                    draft.as_deref_mut().expect("a draft model").remove(u64::from(seq));
+                }
+            }
+        }
+        assert!(feeds.is_empty() || draft_feeds.is_empty(), "target and draft fed in one step");
+        if feeds.is_empty() && draft_feeds.is_empty() {
+            assert!(live.is_empty() && draft_live.is_empty(), "sequences left: {live:?} / draft {draft_live:?}");
+            assert!(out.finish.iter().all(Option::is_some), "a choice never finished");
+            return Ok(out);
+        }
+        if !feeds.is_empty() {
+            let inputs: Vec<(SeqId, &[u32])> = feeds.iter().map(|(s, t, _, _)| (u64::from(*s), t.as_slice())).collect();
+            let any_hidden = feeds.iter().any(|f| f.3);
+            let o = target.forward(&inputs, LogitsWanted::All, any_hidden)?;
+            out.target_forwards += 1;
+            rows = feeds
+                .iter()
+                .zip(&o.rows)
+                .map(|((seq, _, want, hidden), r)| {
+                    let keep = r.end - want..r.end;
+                    let h = if *hidden { o.hidden[keep.clone()].to_vec() } else { Vec::new() };
+                    SeqRows { seq: *seq, role: Role::Target, logits: o.logits[keep].to_vec(), hidden: h }
+                })
+                .collect();
+        } else {
+            let d = draft.as_deref_mut().expect("the machine fed a draft model");
+            let inputs: Vec<(SeqId, &[u32])> = draft_feeds.iter().map(|(s, t)| (u64::from(*s), t.as_slice())).collect();
+            let logits = d.forward(&inputs, LogitsWanted::Last, false)?.logits;
+            out.draft_forwards += 1;
+            rows = draft_feeds.iter().zip(logits).map(|((seq, _), l)| SeqRows { seq: *seq, role: Role::Draft, logits: vec![l], hidden: Vec::new() }).collect();
+        }
+    }
 }
 
 /// What a beam search released: its hypotheses, best first, and the forward passes it took.
@@ -33,49 +145,34 @@ struct BeamOut {
     forward_calls: usize,
 }
 
-/// Test harness for the [`BeamSearch`] step machine on a fake model: applies its operations to
-/// `lm` (local sequence ids used as the model's ids) and feeds it the rows, one forward per
-/// step, as the serving engine does with its paged cache (without other requests in the batch).
-/// Also checks the protocol: every choice is released exactly once, finished, and nothing is
-/// left in the model's cache.
+/// A [`BeamSearch`] driven by [`drive`]; its released choices are its hypotheses.
 fn beam_search(lm: &mut FnLm, prompt: &[u32], params: &SamplingParams, beam: &BeamSearchParams, eos: &[u32]) -> Result<BeamOut> {
     let mut m = BeamSearch::new(prompt, params, beam, eos, lm.max_context())?;
-    let first = lm.forward(&[(0, prompt)], deco_model::LogitsWanted::Last, false)?.logits;
-    let mut rows = vec![SeqRows { seq: 0, logits: first[0].clone() }];
-    let mut forwards = 1;
-    let mut live = std::collections::BTreeSet::from([0u32]);
-    loop {
-        let step = m.advance(rows)?;
-        let mut feeds = Vec::new();
-        for op in step.ops {
-            match op {
-                Op::Fork { from, to } => {
-                    assert!(live.contains(&from) && live.insert(to), "fork {from} -> {to}");
-                    lm.fork(u64::from(from), u64::from(to))?;
-                }
-                Op::Remove(seq) => {
-                    assert!(live.remove(&seq), "remove {seq}");
-                    lm.remove(u64::from(seq));
-                }
-                Op::Feed { seq, tokens } => feeds.push((seq, tokens)),
-            }
-        }
-        if feeds.is_empty() {
-            assert!(live.is_empty(), "sequences left: {live:?}");
-            assert_eq!(step.output.len(), m.num_choices());
-            for (i, c) in step.output.iter().enumerate() {
-                assert_eq!(c.index, i);
-                assert!(c.finish.is_some());
-                assert_eq!(c.tokens, m.hypotheses()[i].tokens);
-            }
-            return Ok(BeamOut { sequences: m.hypotheses().to_vec(), forward_calls: forwards });
-        }
-        assert!(step.output.is_empty(), "beam search released output before its end");
-        let inputs: Vec<(SeqId, &[u32])> = feeds.iter().map(|(s, t)| (u64::from(*s), t.as_slice())).collect();
-        let logits = lm.forward(&inputs, deco_model::LogitsWanted::Last, false)?.logits;
-        forwards += 1;
-        rows = feeds.iter().zip(logits).map(|((seq, _), logits)| SeqRows { seq: *seq, logits }).collect();
+    let d = drive(&mut m, lm, None, prompt)?;
+    assert_eq!(d.tokens.len(), m.hypotheses().len());
+    for (t, h) in d.tokens.iter().zip(m.hypotheses()) {
+        assert_eq!(t, &h.tokens);
     }
+    assert!(d.pieces.len() <= 1, "beam search streamed before its end");
+    Ok(BeamOut { sequences: m.hypotheses().to_vec(), forward_calls: d.target_forwards })
+}
+
+/// Contrastive search on a fake model: the generated tokens.
+fn contrastive_search(lm: &mut FnLm, prompt: &[u32], params: &SamplingParams, penalty_alpha: f32, eos: &[u32]) -> Result<Vec<u32>> {
+    let mut m = ContrastiveSearch::new(prompt, params, penalty_alpha, eos, lm.max_context())?;
+    let d = drive(&mut m, lm, None, prompt)?;
+    assert_eq!(d.pieces.concat(), d.tokens[0], "contrastive search streams each token");
+    Ok(d.tokens[0].clone())
+}
+
+/// Speculative decoding on fake models: the tokens, the streamed pieces, the finish and the
+/// counters.
+fn speculative(target: &mut FnLm, draft: Option<&mut FnLm>, prompt: &[u32], params: &SamplingParams, gamma: usize, eos: &[u32]) -> Result<(Driven, SpeculativeStats)> {
+    let source = if draft.is_some() { DraftSource::Model } else { DraftSource::PromptLookup(PromptLookupDrafter::default()) };
+    let mut m = Speculative::new(prompt, params, source, gamma, eos, target.max_context())?;
+    let d = drive(&mut m, target, draft, prompt)?;
+    assert_eq!(m.stats().target_forward_calls, d.target_forwards);
+    Ok((d, m.stats()))
 }
 
 /// All complete sequences (ending in EOS, or of length `max_len`) with their sum of log-probs.
@@ -136,8 +233,7 @@ fn beam_search_beats_greedy_on_a_hand_made_trap() {
         _ => ln(&[0.5, 0.5, 0.0]),
     };
     let mut lm = FnLm::new(3, f);
-    let g = generate(&mut lm, &[2], &greedy_params(2), &[2], &mut no_sink()).expect("greedy");
-    assert_eq!(g.tokens, vec![0, 0]);
+    assert_eq!(greedy_reference(&mut lm, &[2], &greedy_params(2), &[2]), vec![0, 0]);
     let beam = BeamSearchParams { num_beams: 2, length_penalty: 0.0, ..Default::default() };
     let out = beam_search(&mut lm, &[2], &greedy_params(2), &beam, &[2]).expect("beam");
     assert_eq!(out.sequences[0].tokens, vec![1, 0]);
@@ -179,33 +275,32 @@ fn beam_search_rejects_bad_parameters() {
 
 #[test]
 fn speculative_greedy_equals_greedy() {
+    let mut drafted = 0;
     for salt in 1..6u64 {
         let vocab = 7;
         let target_fn = move |p: &[u32]| hashed_logits(p, vocab, salt);
         let mut target = FnLm::new(vocab, target_fn);
         let params = greedy_params(40);
-        let plain = generate(&mut target, &[1, 2, 3], &params, &[6], &mut no_sink()).expect("greedy");
+        let plain = greedy_reference(&mut target, &[1, 2, 3], &params, &[6]);
         // Draft: the target with noise, so it is often but not always right.
         let draft = FnLm::new(vocab, move |p: &[u32]| {
             let a = hashed_logits(p, vocab, salt);
             let b = hashed_logits(p, vocab, salt + 100);
             a.iter().zip(&b).map(|(x, y)| x + 0.7 * y).collect()
         });
-        let mut drafter = ModelDrafter::new(draft, 5).expect("drafter");
-        let mut streamed = Vec::new();
-        let spec = speculative_generate(&mut target, &mut drafter, &[1, 2, 3], &params, 4, &[6], &mut |t: &[u32]| {
-            streamed.extend_from_slice(t);
-            false
-        })
-        .expect("spec");
-        assert_eq!(spec.generation.tokens, plain.tokens, "salt {salt}");
-        assert_eq!(streamed, plain.tokens);
-        assert_eq!(spec.generation.finish_reason, plain.finish_reason);
-        assert!(spec.stats.accepted <= spec.stats.drafted);
-        let mut lookup = PromptLookupDrafter::default();
-        let spec = speculative_generate(&mut target, &mut lookup, &[1, 2, 3], &params, 3, &[6], &mut no_sink()).expect("lookup");
-        assert_eq!(spec.generation.tokens, plain.tokens, "lookup salt {salt}");
+        let mut draft = draft;
+        let (spec, stats) = speculative(&mut target, Some(&mut draft), &[1, 2, 3], &params, 4, &[6]).expect("spec");
+        assert_eq!(spec.tokens[0], plain, "salt {salt}");
+        assert_eq!(spec.pieces.concat(), plain);
+        let ended = if plain.last() == Some(&6) { deco_decoding::FinishReason::EosToken } else { deco_decoding::FinishReason::Length };
+        assert_eq!(spec.finish[0], Some(ended));
+        assert!(stats.accepted <= stats.drafted);
+        assert_eq!(spec.draft_forwards > 0, stats.drafted > 0);
+        drafted += stats.drafted;
+        let (spec, _) = speculative(&mut target, None, &[1, 2, 3], &params, 3, &[6]).expect("lookup");
+        assert_eq!(spec.tokens[0], plain, "lookup salt {salt}");
     }
+    assert!(drafted > 0, "no draft token in any run");
 }
 
 /// Pearson chi-square statistic of `counts` against probabilities `p`.
@@ -222,21 +317,21 @@ fn spec_counts(target_p: Vec<f32>, draft_q: Option<Vec<f32>>, params: &SamplingP
     let tl: Vec<f32> = target_p.iter().map(|x| x.ln()).collect();
     let mut target = FnLm::new(vocab, move |_| tl.clone());
     let prompt = [0u32, 1, 2, 0, 1];
-    let out = match draft_q {
+    let (out, stats) = match draft_q {
         Some(q) => {
             let ql: Vec<f32> = q.iter().map(|x| x.ln()).collect();
-            let mut d = ModelDrafter::new(FnLm::new(vocab, move |_| ql.clone()), 77).expect("drafter");
-            speculative_generate(&mut target, &mut d, &prompt, params, 3, &[], &mut no_sink())
+            let mut d = FnLm::new(vocab, move |_| ql.clone());
+            speculative(&mut target, Some(&mut d), &prompt, params, 3, &[])
         }
-        None => speculative_generate(&mut target, &mut PromptLookupDrafter::default(), &prompt, params, 3, &[], &mut no_sink()),
+        None => speculative(&mut target, None, &prompt, params, 3, &[]),
     }
     .expect("spec");
-    assert_eq!(out.generation.tokens.len(), n);
+    assert_eq!(out.tokens[0].len(), n);
     let mut counts = vec![0usize; vocab];
-    for &t in &out.generation.tokens {
+    for &t in &out.tokens[0] {
         counts[t as usize] += 1;
     }
-    (counts, out.stats)
+    (counts, stats)
 }
 
 // Critical value of chi-square at p = 0.001: 4 dof 18.47, 2 dof 13.82.
@@ -317,12 +412,12 @@ fn contrastive_search_by_hand() {
     let params = SamplingParams { top_k: Some(3), ..greedy_params(3) };
     // Step 1 (context h0): scores .25-.5, .175-.3, .075-0 -> 2. Step 2 (h0, h2): -.25, .175-.4,
     // .075-.5 -> 1. Step 3 (h0, h2, h1): -.25, .175-.5, -.425 -> 0.
-    let g = contrastive_search(&mut make(), &[0], &params, 0.5, &[], &mut no_sink()).expect("cs");
-    assert_eq!(g.tokens, vec![2, 1, 0]);
+    let g = contrastive_search(&mut make(), &[0], &params, 0.5, &[]).expect("cs");
+    assert_eq!(g, vec![2, 1, 0]);
     // penalty_alpha = 0 is greedy.
-    let g = contrastive_search(&mut make(), &[0], &params, 0.0, &[], &mut no_sink()).expect("cs");
-    assert_eq!(g.tokens, vec![0, 0, 0]);
-    assert!(contrastive_search(&mut make(), &[0], &params, 1.5, &[], &mut no_sink()).is_err());
+    let g = contrastive_search(&mut make(), &[0], &params, 0.0, &[]).expect("cs");
+    assert_eq!(g, vec![0, 0, 0]);
+    assert!(contrastive_search(&mut make(), &[0], &params, 1.5, &[]).is_err());
 }
 
 #[test]
@@ -340,24 +435,10 @@ fn contrastive_decoding_by_hand() {
     let mut expert = FnLm::new(4, move |_| e2.clone());
     let mut amateur = FnLm::new(4, move |_| a2.clone());
     let cd = ContrastiveDecodingParams { alpha: 0.2, amateur_temperature: 1.0 };
-    let g = contrastive_decoding(&mut expert, &mut amateur, &[0], &greedy_params(2), &cd, &[], &mut no_sink()).expect("cd");
-    assert_eq!(g.tokens, vec![1, 1]);
+    let mut m = ContrastiveDecoding::new(&[0], &greedy_params(2), &cd, &[], expert.max_context()).expect("cd");
+    let g = drive(&mut m, &mut expert, Some(&mut amateur), &[0]).expect("cd");
+    assert_eq!(g.tokens[0], vec![1, 1]);
+    assert_eq!(g.draft_forwards, 2, "one amateur forward per token");
+    assert!(ContrastiveDecoding::new(&[0], &greedy_params(2), &ContrastiveDecodingParams { alpha: 2.0, ..cd }, &[], 64).is_err());
 }
 
-#[test]
-fn sink_stop_and_eos_end_generation() {
-    let mut lm = FnLm::new(5, |p| hashed_logits(p, 5, 3));
-    let mut n = 0;
-    let g = generate(&mut lm, &[0], &greedy_params(50), &[], &mut |_: &[u32]| {
-        n += 1;
-        n == 4
-    })
-    .expect("gen");
-    assert_eq!(g.tokens.len(), 4);
-    assert_eq!(g.finish_reason, deco_decoding::FinishReason::Stop);
-    // The first greedy token as EOS ends generation after one token.
-    let first = math::argmax(&hashed_logits(&[0], 5, 3)).expect("argmax") as u32;
-    let g = generate(&mut lm, &[0], &greedy_params(50), &[first], &mut no_sink()).expect("gen");
-    assert_eq!(g.tokens, vec![first]);
-    assert_eq!(g.finish_reason, deco_decoding::FinishReason::EosToken);
-}

@@ -109,6 +109,15 @@ impl Llama {
         if !cfg.entropy_threshold.is_finite() {
             return Err(Error::InvalidInput(format!("early exit: entropy_threshold must be finite, got {}", cfg.entropy_threshold)));
         }
+        // On the CPU, run on a worker of the rayon pool (as `Llama::forward_rows`): the kernels
+        // then fork from a worker instead of waking the pool from outside for every call.
+        if *self.device() == burn::tensor::Device::flex() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.early_exit_step(seq, token, cache, cfg));
+        }
+        self.early_exit_step(seq, token, cache, cfg)
+    }
+
+    fn early_exit_step(&self, seq: SeqId, token: u32, cache: &mut dyn KvCache, cfg: &EarlyExitConfig) -> Result<EarlyExitStep> {
         let tokens = [token];
         let inputs = [SeqInput { seq, tokens: &tokens }];
         let batch = self.prepare(&inputs, &*cache)?;
@@ -118,7 +127,7 @@ impl Llama {
             x = self.layer_forward(li, x, &batch, &inputs, cache)?;
             let done = li + 1;
             if done < n && done >= cfg.min_layers && (done - cfg.min_layers).is_multiple_of(cfg.check_every) {
-                let logits = row(self.head(x.clone(), &batch, LogitsWanted::Last).logits)?;
+                let logits = row(self.head(x.clone(), &batch, &[1]).logits)?;
                 let h = entropy(&logits);
                 if h < cfg.entropy_threshold {
                     for lj in done..n {
@@ -131,7 +140,7 @@ impl Llama {
             }
         }
         cache.advance(seq, 1);
-        let logits = row(self.head(x, &batch, LogitsWanted::Last).logits)?;
+        let logits = row(self.head(x, &batch, &[1]).logits)?;
         let h = entropy(&logits);
         Ok(EarlyExitStep { logits, exit_layer: n, entropy: h })
     }

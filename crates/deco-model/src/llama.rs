@@ -336,11 +336,33 @@ impl Llama {
         wanted: LogitsWanted,
         num_layers: usize,
     ) -> Result<ForwardOutput> {
+        let rows: Vec<usize> = inputs
+            .iter()
+            .map(|i| match wanted {
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => i.tokens.len(),
+            })
+            .collect();
+        self.forward_rows(inputs, cache, &rows, num_layers)
+    }
+
+    /// Like [`Llama::forward_partial`], with the number of positions that get logits chosen per
+    /// sequence: the last `rows[i]` new tokens of sequence `i` (`1..=tokens.len()`), e.g. every
+    /// token of a speculative verification chunk next to the last token of a prefill chunk in
+    /// the same batch.
+    ///
+    /// # Errors
+    /// As [`Llama::forward_partial`], and [`Error::InvalidInput`] if `rows` does not give one
+    /// count in `1..=tokens.len()` per sequence.
+    pub fn forward_rows(&self, inputs: &[SeqInput<'_>], cache: &mut dyn KvCache, rows: &[usize], num_layers: usize) -> Result<ForwardOutput> {
         if num_layers == 0 || num_layers > self.layers.len() {
             return Err(Error::InvalidInput(format!(
                 "num_layers must be in 1..={}, got {num_layers}",
                 self.layers.len()
             )));
+        }
+        if rows.len() != inputs.len() || inputs.iter().zip(rows).any(|(i, &r)| r == 0 || r > i.tokens.len()) {
+            return Err(Error::InvalidInput("rows must give one count in 1..=tokens per sequence".into()));
         }
         // Run the whole pass on a worker of the current rayon pool: the parallel kernels
         // inside (packed matmuls, attention, burn-flex ops) then fork from a worker instead of
@@ -349,18 +371,12 @@ impl Llama {
         // CPU only: a GPU device keeps its stream per thread, so its forwards stay where they
         // were called.
         if self.device == Device::flex() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_partial_inner(inputs, cache, wanted, num_layers));
+            return rayon::scope(|_| self.forward_inner(inputs, cache, rows, num_layers));
         }
-        self.forward_partial_inner(inputs, cache, wanted, num_layers)
+        self.forward_inner(inputs, cache, rows, num_layers)
     }
 
-    fn forward_partial_inner(
-        &self,
-        inputs: &[SeqInput<'_>],
-        cache: &mut dyn KvCache,
-        wanted: LogitsWanted,
-        num_layers: usize,
-    ) -> Result<ForwardOutput> {
+    fn forward_inner(&self, inputs: &[SeqInput<'_>], cache: &mut dyn KvCache, rows: &[usize], num_layers: usize) -> Result<ForwardOutput> {
         let batch = self.prepare(inputs, &*cache)?;
         let mut x = self.embed_tokens(&batch);
         for li in 0..num_layers {
@@ -369,7 +385,7 @@ impl Llama {
         for (inp, span) in inputs.iter().zip(&batch.spans) {
             cache.advance(inp.seq, span.len);
         }
-        Ok(self.head(x, &batch, wanted))
+        Ok(self.head(x, &batch, rows))
     }
 
     /// Number of decoder layers.
@@ -559,16 +575,21 @@ impl Llama {
         Ok(Tensor::cat(parts, 0))
     }
 
-    /// Final RMSNorm and LM head over the rows `wanted` of the residual stream `x`.
-    pub(crate) fn head(&self, x: Tensor<2>, batch: &Batch, wanted: LogitsWanted) -> ForwardOutput {
-        let (x, rows) = match wanted {
-            LogitsWanted::All => (x, batch.spans.iter().map(|s| s.start..s.start + s.len).collect()),
-            LogitsWanted::Last => {
-                let last: Vec<i64> = batch.spans.iter().map(|s| (s.start + s.len - 1) as i64).collect();
-                let m = last.len();
-                let idx: Tensor<1, Int> = Tensor::from_data(TensorData::new(last, [m]), &self.device);
-                (x.select(0, idx), (0..m).map(|i| i..i + 1).collect())
-            }
+    /// Final RMSNorm and LM head over the last `rows[i]` positions of each sequence of the
+    /// residual stream `x`.
+    pub(crate) fn head(&self, x: Tensor<2>, batch: &Batch, rows: &[usize]) -> ForwardOutput {
+        let mut ranges = Vec::with_capacity(rows.len());
+        let mut idx: Vec<i64> = Vec::new();
+        for (s, &r) in batch.spans.iter().zip(rows) {
+            ranges.push(idx.len()..idx.len() + r);
+            idx.extend((s.start + s.len - r..s.start + s.len).map(|i| i as i64));
+        }
+        let x = if idx.len() == batch.n {
+            x
+        } else {
+            let m = idx.len();
+            let idx: Tensor<1, Int> = Tensor::from_data(TensorData::new(idx, [m]), &self.device);
+            x.select(0, idx)
         };
         let hidden = rms_norm(x, &self.norm, self.config.rms_norm_eps);
         // A packed head can only fail on a host read of `hidden`; fall back to the dense copy.
@@ -576,7 +597,7 @@ impl Llama {
             Ok(l) => l,
             Err(_) => hidden.clone().matmul(self.lm_head().clone()),
         };
-        ForwardOutput { logits, hidden, rows }
+        ForwardOutput { logits, hidden, rows: ranges }
     }
 }
 

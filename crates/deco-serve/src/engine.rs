@@ -31,10 +31,14 @@ use deco_decoding::{
     FinishReason, ProcessContext, Sampler, SamplingParams, StopStringMatcher, StoppingCriteria,
 };
 use deco_formats::tokenizer::Tokenizer;
-use deco_model::{Llama, LogitsWanted, SeqId, SeqInput};
+use deco_model::early_exit::EarlyExitConfig;
+use deco_model::{Llama, SeqId, SeqInput};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use deco_generate::{BeamSearch, BeamSearchParams, Local, Op, SeqRows, StepMachine};
+use deco_generate::{
+    BeamSearch, BeamSearchParams, ContrastiveDecoding, ContrastiveDecodingParams, ContrastiveSearch, DraftSource, Local, Op, Role, SeqRows, Speculative,
+    StepMachine,
+};
 
 use crate::paged_cache::{CacheShape, PagedKvCache};
 use crate::structured::Constraint;
@@ -76,6 +80,8 @@ impl Default for EngineConfig {
 pub struct TokenInfo {
     /// Token id.
     pub id: u32,
+    /// The AutoDeco heads' `(T, P)` for this token, when they chose its temperature and top-p.
+    pub autodeco: Option<(f32, f32)>,
     /// Raw model log-probability (natural log), when logprobs were requested.
     pub logprob: Option<f32>,
     /// The most likely alternatives (raw distribution), most likely first.
@@ -122,6 +128,63 @@ pub enum Strategy {
     /// Beam search with Hugging Face semantics ([`BeamSearch`]); `num_return_sequences` is the
     /// request's `n`.
     Beam(BeamSearchParams),
+    /// Contrastive search ([`ContrastiveSearch`], Su et al. 2022) with degeneration penalty
+    /// `penalty_alpha` over the request's `top_k` candidates.
+    ContrastiveSearch {
+        /// Hugging Face's `penalty_alpha`, in `[0, 1]`.
+        penalty_alpha: f32,
+    },
+    /// Contrastive decoding ([`ContrastiveDecoding`], Li et al. 2023) with the engine's second
+    /// model ([`EngineOptions::draft`]) as the amateur.
+    ContrastiveDecoding(ContrastiveDecodingParams),
+    /// Entropy-threshold early exit (`deco_model::early_exit`): the request samples as usual,
+    /// and each of its decode tokens runs [`Llama::forward_early_exit`], which stops at the
+    /// first tested layer whose intermediate distribution is confident enough (a per-token
+    /// depth cannot share the batched forward; its prefill does).
+    EarlyExit(EarlyExitConfig),
+    /// Speculative decoding ([`Speculative`]) with `num_speculative_tokens` drafts per round from
+    /// `source` ([`DraftSource::Model`] needs the engine's draft model, see [`EngineOptions`]).
+    Speculative {
+        /// Draft tokens per round (γ).
+        num_speculative_tokens: usize,
+        /// Where drafts come from.
+        source: DraftSource,
+    },
+}
+
+/// The engine's second model: the draft of speculative decoding or the amateur of contrastive
+/// decoding. Another model sharing the served model's tokenizer, or the served model itself run
+/// through its first `num_layers` layers (self-speculative decoding, a truncated amateur). It
+/// has its own paged cache.
+#[derive(Debug, Clone)]
+pub struct DraftModel {
+    /// The model.
+    pub model: Llama,
+    /// Layers run (`model.num_layers()` for a separate model).
+    pub num_layers: usize,
+}
+
+/// Speculative decoding as a server setting (vLLM's `--speculative-model` /
+/// `--num-speculative-tokens`): every request it can serve unchanged in distribution runs as
+/// [`Strategy::Speculative`] (one choice, no structured output, no logprobs, and no AutoDeco
+/// heads at work); the others sample as usual.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speculation {
+    /// Draft tokens per round (γ).
+    pub num_speculative_tokens: usize,
+    /// Where drafts come from.
+    pub source: DraftSource,
+}
+
+/// Optional parts of an engine.
+#[derive(Debug, Default)]
+pub struct EngineOptions {
+    /// AutoDeco heads (see [`spawn_engine_with`]).
+    pub autodeco: Option<HostHeads>,
+    /// The draft model of speculative requests with [`DraftSource::Model`].
+    pub draft: Option<DraftModel>,
+    /// Speculative decoding for every eligible request.
+    pub speculation: Option<Speculation>,
 }
 
 /// A generation request.
@@ -138,12 +201,27 @@ pub struct GenerateRequest {
     pub constraint: Option<Constraint>,
     /// A strategy other than sampling; `None` samples (greedy at temperature 0).
     pub strategy: Option<Strategy>,
+    /// Whether the engine's AutoDeco heads choose this request's temperature and top-p
+    /// (`None`: yes when the engine has heads; `Some(true)` without heads is refused). A greedy
+    /// request stays greedy; its tokens report the heads' predictions.
+    pub autodeco: Option<bool>,
 }
 
 impl GenerateRequest {
     /// A sampling request without constraint.
     pub fn sample(prompt: Vec<u32>, params: SamplingParams, n: usize) -> Self {
-        Self { prompt, params, n, constraint: None, strategy: None }
+        Self { prompt, params, n, constraint: None, strategy: None, autodeco: None }
+    }
+
+    /// A request decoded by `strategy`, without constraint.
+    pub fn with_strategy(prompt: Vec<u32>, params: SamplingParams, n: usize, strategy: Strategy) -> Self {
+        Self { strategy: Some(strategy), ..Self::sample(prompt, params, n) }
+    }
+
+    /// Whether the heads apply to this request on an engine with (`has_heads`) or without them
+    /// (a greedy request still gets their predictions reported, its tokens stay greedy).
+    fn uses_heads(&self, has_heads: bool) -> bool {
+        has_heads && self.autodeco != Some(false)
     }
 }
 
@@ -272,6 +350,23 @@ pub struct Metrics {
     pub steps: AtomicU64,
     /// Errors of forward passes.
     pub step_errors: AtomicU64,
+    /// Draft tokens proposed by speculative decoding (vLLM's `spec_decode_num_draft_tokens`).
+    pub spec_draft_tokens: AtomicU64,
+    /// Draft tokens accepted (vLLM's `spec_decode_num_accepted_tokens`).
+    pub spec_accepted_tokens: AtomicU64,
+    /// Forward passes of the draft model.
+    pub draft_steps: AtomicU64,
+    /// Time in the served model's forward passes (the step's whole forward), nanoseconds.
+    pub forward_ns: AtomicU64,
+    /// Time in the AutoDeco heads' predictions, nanoseconds.
+    pub autodeco_heads_ns: AtomicU64,
+    /// Time choosing tokens (logits processors and the sampler, heads excluded), nanoseconds.
+    pub sampling_ns: AtomicU64,
+    /// Early exit: layers run by decode tokens of early-exit requests, and their models'
+    /// depth summed over the same tokens.
+    pub early_exit_layers_run: AtomicU64,
+    /// See [`Metrics::early_exit_layers_run`].
+    pub early_exit_layers_total: AtomicU64,
     /// Structured-output masks computed (one per constrained token).
     pub structured_masks: AtomicU64,
     /// Time spent computing and applying them, in nanoseconds.
@@ -299,6 +394,7 @@ impl Metrics {
     /// | `vllm:generation_tokens_total` | counter | [`Metrics::generation_tokens`] |
     /// | `vllm:prefix_cache_queries_total` / `_hits_total` | counter | prompt tokens looked up / found at admission |
     /// | `vllm:num_preemptions_total` | counter | [`Metrics::preemptions`] |
+    /// | `vllm:spec_decode_num_draft_tokens_total` / `_accepted_tokens_total` | counter | speculative draft tokens proposed / accepted |
     /// | `vllm:request_success_total{finished_reason}` | counter | `stop` and `length` per sequence, `abort` per cancelled request |
     /// | `vllm:time_to_first_token_seconds`, `vllm:time_per_output_token_seconds`, `vllm:e2e_request_latency_seconds` | histogram | [`LatencyHistograms`], vLLM's buckets |
     /// | `vllm:cache_config_info` | gauge (1) | labels `block_size`, `num_gpu_blocks` (the pool's blocks, host memory on CPU), `cache_dtype`, `enable_prefix_caching` |
@@ -324,6 +420,7 @@ impl Metrics {
         put("engine_steps_total", "counter", "Engine steps (forward passes).", c(&self.steps));
         put("engine_step_errors_total", "counter", "Failed forward passes.", c(&self.step_errors));
         put("structured_masks_total", "counter", "Structured-output token masks computed.", c(&self.structured_masks));
+        put("draft_steps_total", "counter", "Forward passes of the draft model.", c(&self.draft_steps));
         put("structured_mask_nanoseconds_total", "counter", "Time computing and applying structured-output masks, in nanoseconds.", c(&self.structured_mask_ns));
 
         let labels = format!("model_name=\"{}\",engine=\"0\"", label_value(model_name));
@@ -346,6 +443,8 @@ impl Metrics {
             ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", c(&self.prefix_cache_queries)),
             ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", c(&self.prefix_cache_hit_tokens)),
             ("num_preemptions", "Cumulative number of preemption from the engine.", c(&self.preemptions)),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.", c(&self.spec_draft_tokens)),
+            ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", c(&self.spec_accepted_tokens)),
         ] {
             vput(&format!("{name}_total"), "counter", help, &one(v.to_string()));
         }
@@ -396,6 +495,9 @@ pub struct EngineHandle {
     max_context: usize,
     stopping: Arc<AtomicBool>,
     eos: Arc<Vec<u32>>,
+    has_draft: bool,
+    speculation: Option<Speculation>,
+    has_autodeco: bool,
 }
 
 impl std::fmt::Debug for Command {
@@ -418,6 +520,16 @@ impl EngineHandle {
         self.config
     }
 
+    /// Whether the engine has AutoDeco heads.
+    pub fn has_autodeco(&self) -> bool {
+        self.has_autodeco
+    }
+
+    /// Whether the engine has a second model (speculative draft or contrastive amateur).
+    pub fn has_second_model(&self) -> bool {
+        self.has_draft
+    }
+
     /// Checks a request and queues it; returns its id and the channel of its events.
     ///
     /// # Errors
@@ -435,6 +547,9 @@ impl EngineHandle {
         }
         if req.n == 0 || req.n > self.config.max_n {
             return Err(Error::InvalidRequest(format!("n must be in 1..={}, got {}", self.config.max_n, req.n)));
+        }
+        if req.autodeco == Some(true) && !self.has_autodeco {
+            return Err(Error::InvalidRequest("autodeco: this server has no AutoDeco heads (deco serve --autodeco DIR)".into()));
         }
         let max_new = req
             .params
@@ -469,13 +584,27 @@ impl EngineHandle {
         Ok((id, erx))
     }
 
-    /// The step machine of a request's strategy, checked against the request and the pool.
+    /// The step machine of a request's strategy (or of the engine's [`Speculation`] for an
+    /// eligible sampling request), checked against the request and the pool.
     fn machine(&self, req: &GenerateRequest) -> Result<Option<Box<dyn StepMachine>>> {
-        let Some(strategy) = req.strategy else { return Ok(None) };
+        let speculate = self.speculation.filter(|_| {
+            req.n == 1 && req.constraint.is_none() && req.params.logprobs.is_none() && !req.uses_heads(self.has_autodeco)
+        });
+        let strategy = req.strategy.or(speculate.map(|s| Strategy::Speculative { num_speculative_tokens: s.num_speculative_tokens, source: s.source }));
+        let Some(strategy) = strategy else { return Ok(None) };
         if req.constraint.is_some() {
-            return Err(Error::InvalidRequest("structured output (response_format, guided_*, tools) works with sampling only, not with beam search".into()));
+            return Err(Error::InvalidRequest("structured output (response_format, guided_*, tools) works with sampling only, not with another decoding strategy".into()));
         }
         match strategy {
+            Strategy::EarlyExit(cfg) => {
+                if cfg.min_layers == 0 || cfg.check_every == 0 || !cfg.entropy_threshold.is_finite() {
+                    return Err(Error::InvalidRequest("early exit: min_layers and check_every must be >= 1 and entropy_threshold finite".into()));
+                }
+                if req.uses_heads(self.has_autodeco) {
+                    return Err(Error::InvalidRequest("early exit cannot be combined with AutoDeco heads (they read the full model's hidden state)".into()));
+                }
+                Ok(None)
+            }
             Strategy::Beam(b) => {
                 let beam = BeamSearchParams { num_return_sequences: req.n, ..b };
                 // Every beam may hold its own copy of the whole context at the end (no sharing
@@ -490,6 +619,36 @@ impl EngineHandle {
                     )));
                 }
                 let m = BeamSearch::new(&req.prompt, &req.params, &beam, &self.eos, self.max_context)
+                    .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+                Ok(Some(Box::new(m)))
+            }
+            Strategy::ContrastiveSearch { penalty_alpha } => {
+                if req.n != 1 {
+                    return Err(Error::InvalidRequest("contrastive search is deterministic: one choice per request (n = 1)".into()));
+                }
+                let m = ContrastiveSearch::new(&req.prompt, &req.params, penalty_alpha, &self.eos, self.max_context)
+                    .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+                Ok(Some(Box::new(m)))
+            }
+            Strategy::ContrastiveDecoding(cd) => {
+                if req.n != 1 {
+                    return Err(Error::InvalidRequest("contrastive decoding runs one choice per request (n = 1)".into()));
+                }
+                if !self.has_draft {
+                    return Err(Error::InvalidRequest("contrastive decoding needs an amateur model: start the engine with a second model (deco serve --amateur-model / --amateur-layers)".into()));
+                }
+                let m = ContrastiveDecoding::new(&req.prompt, &req.params, &cd, &self.eos, self.max_context)
+                    .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+                Ok(Some(Box::new(m)))
+            }
+            Strategy::Speculative { num_speculative_tokens, source } => {
+                if req.n != 1 {
+                    return Err(Error::InvalidRequest("speculative decoding runs one choice per request (n = 1)".into()));
+                }
+                if source == DraftSource::Model && !self.has_draft {
+                    return Err(Error::InvalidRequest("speculative decoding with a draft model needs an engine started with one".into()));
+                }
+                let m = Speculative::new(&req.prompt, &req.params, source, num_speculative_tokens, &self.eos, self.max_context)
                     .map_err(|e| Error::InvalidRequest(e.to_string()))?;
                 Ok(Some(Box::new(m)))
             }
@@ -580,19 +739,73 @@ struct ReqState {
     cached_tokens: Option<usize>,
     /// The step machine of a [`Strategy`] request.
     machine: Option<MachineState>,
+    /// Early exit for the request's decode tokens.
+    early_exit: Option<EarlyExitConfig>,
+    /// Whether the AutoDeco heads choose its temperature and top-p.
+    use_heads: bool,
 }
+
+/// Logits rows and hidden-state rows collected for one fed sequence.
+type CollectedRows = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
 /// A request driven by a [`StepMachine`].
 struct MachineState {
     machine: Box<dyn StepMachine>,
-    /// Request-local sequence ids to engine ids.
+    /// Request-local target sequence ids to engine ids.
     seqs: HashMap<Local, SeqId>,
-    /// Sequences fed since the last advance, in feeding order.
-    fed: Vec<Local>,
-    /// The last-token logits of fed sequences, by local id.
-    rows: HashMap<Local, Vec<f32>>,
-    /// Per choice: its detokenizer and the tokens released so far.
-    choices: Vec<(Detok, usize)>,
+    /// Target sequences fed since the last advance: (local id, rows wanted, hidden wanted).
+    fed: Vec<(Local, usize, bool)>,
+    /// Rows collected for fed target sequences, by local id.
+    rows: HashMap<Local, CollectedRows>,
+    /// Request-local draft sequence ids to the draft cache's ids.
+    draft_seqs: HashMap<Local, SeqId>,
+    /// Draft feeds not run yet.
+    draft_feeds: Vec<(Local, Vec<u32>)>,
+    /// Draft sequences fed since the last advance, and their rows.
+    draft_fed: Vec<Local>,
+    draft_rows: HashMap<Local, Vec<f32>>,
+    /// Per choice: detokenizer, stop strings, tokens released, done.
+    choices: Vec<ChoiceOut>,
+}
+
+/// The client-side state of one choice of a step-machine request.
+struct ChoiceOut {
+    detok: Detok,
+    matcher: StopStringMatcher,
+    released: usize,
+    done: bool,
+}
+
+impl MachineState {
+    /// Whether every fed sequence has its rows (target: and is still fully computed, so a
+    /// sequence preempted after reporting is waited for again).
+    fn ready(&self, sched: &Scheduler) -> bool {
+        if !self.draft_fed.is_empty() {
+            return self.draft_feeds.is_empty() && self.draft_fed.iter().all(|l| self.draft_rows.contains_key(l));
+        }
+        !self.fed.is_empty()
+            && self.fed.iter().all(|&(l, want, _)| {
+                self.rows.get(&l).is_some_and(|r| r.0.len() == want)
+                    && self.seqs.get(&l).and_then(|&sid| sched.get(sid)).is_some_and(|s| s.num_computed == s.tokens.len())
+            })
+    }
+
+    /// Rows wanted from a chunk of target sequence `local` covering positions
+    /// `start..start + len` of a sequence of `total` tokens: the positions in the fed window.
+    fn rows_in_chunk(&self, local: Local, start: usize, len: usize, total: usize) -> (usize, bool) {
+        match self.fed.iter().find(|f| f.0 == local) {
+            Some(&(_, want, hidden)) => ((start + len).saturating_sub(start.max(total.saturating_sub(want))), hidden),
+            None => (0, false),
+        }
+    }
+}
+
+/// The draft model with its own paged cache.
+struct DraftRunner {
+    model: Llama,
+    num_layers: usize,
+    cache: PagedKvCache,
+    next_seq: SeqId,
 }
 
 struct Engine {
@@ -611,6 +824,8 @@ struct Engine {
     /// AutoDeco heads: when present, every sampled token uses the predicted temperature and
     /// top-p (`T × temperature`, `clamp(P × top_p)`; greedy requests stay greedy).
     autodeco: Option<HostHeads>,
+    /// The draft model of speculative requests.
+    draft: Option<DraftRunner>,
 }
 
 /// Starts the engine thread for `model`; returns the handle and the thread's join handle (it
@@ -636,6 +851,54 @@ pub fn spawn_engine_with(
     config: EngineConfig,
     autodeco: Option<HostHeads>,
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    spawn_engine_opts(model, tokenizer, config, EngineOptions { autodeco, ..EngineOptions::default() })
+}
+
+/// [`spawn_engine`] with the optional parts of [`EngineOptions`]: AutoDeco heads and the draft
+/// model of speculative decoding (its paged cache gets `config.num_blocks` blocks of its own).
+///
+/// # Errors
+/// As [`spawn_engine_with`], and [`Error::InvalidRequest`] for a draft model of another
+/// vocabulary or a layer count outside `1..=` its depth.
+pub fn spawn_engine_opts(
+    model: Llama,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    options: EngineOptions,
+) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    let EngineOptions { autodeco, draft, speculation } = options;
+    if let Some(sp) = speculation {
+        if sp.num_speculative_tokens == 0 {
+            return Err(Error::InvalidRequest("num_speculative_tokens must be at least 1".into()));
+        }
+        if sp.source == DraftSource::Model && draft.is_none() {
+            return Err(Error::InvalidRequest("speculative decoding with a draft model needs the draft model".into()));
+        }
+    }
+    let draft = match draft {
+        None => None,
+        Some(d) => {
+            if d.model.config.vocab_size != model.config.vocab_size {
+                return Err(Error::InvalidRequest(format!(
+                    "the draft model has vocabulary {}, the served model {}",
+                    d.model.config.vocab_size, model.config.vocab_size
+                )));
+            }
+            if d.num_layers == 0 || d.num_layers > d.model.num_layers() {
+                return Err(Error::InvalidRequest(format!("draft layers must be in 1..={}, got {}", d.model.num_layers(), d.num_layers)));
+            }
+            let dc = &d.model.config;
+            let shape = CacheShape {
+                n_layers: d.num_layers,
+                kv_heads: dc.num_key_value_heads,
+                head_dim: dc.head_dim,
+                block_size: config.block_size,
+                num_blocks: config.num_blocks,
+            };
+            let cache = PagedKvCache::new(shape, d.model.device())?;
+            Some(DraftRunner { model: d.model, num_layers: d.num_layers, cache, next_seq: 1 })
+        }
+    };
     if let Some(h) = &autodeco
         && (h.config().hidden_size != model.config.hidden_size || h.config().vocab_size != model.config.vocab_size)
     {
@@ -669,6 +932,9 @@ pub fn spawn_engine_with(
         max_context: model.max_context(),
         stopping: Arc::new(AtomicBool::new(false)),
         eos: Arc::new(tokenizer.eos_token_ids().to_vec()),
+        has_draft: draft.is_some(),
+        speculation,
+        has_autodeco: autodeco.is_some(),
     };
     let eos = tokenizer.eos_token_ids().to_vec();
     let mut engine = Engine {
@@ -684,6 +950,7 @@ pub fn spawn_engine_with(
         next_seq: 1,
         eos,
         autodeco,
+        draft,
     };
     let join = std::thread::Builder::new().name("deco-engine".into()).spawn(move || engine.run())?;
     Ok((handle, join))
@@ -730,6 +997,7 @@ impl Engine {
             Command::Abort(id) => self.cancel(id),
             Command::Add { id, req, machine, events, arrival } => {
                 let req = *req;
+                let use_heads = req.uses_heads(self.autodeco.is_some());
                 let params = req.params;
                 let make = || -> Result<(StoppingCriteria, Sampler, StopStringMatcher)> {
                     Ok((
@@ -748,12 +1016,40 @@ impl Engine {
                 };
                 let sid = self.next_seq;
                 self.next_seq += 1;
-                self.sched.add(sid, req.prompt.clone());
-                let machine = machine.map(|m| {
-                    self.machine_seqs.insert(sid, (id, 0));
-                    let choices = (0..m.num_choices()).map(|_| (Detok::default(), 0)).collect();
-                    MachineState { machine: m, seqs: HashMap::from([(0, sid)]), fed: vec![0], rows: HashMap::new(), choices }
-                });
+                let prompt_rows = machine.as_ref().map_or((1, false), |m| m.prompt_rows());
+                if prompt_rows.0 > 1 {
+                    self.sched.add_uncached(sid, req.prompt.clone());
+                } else {
+                    self.sched.add(sid, req.prompt.clone());
+                }
+                let machine = match machine.map(|m| -> Result<MachineState> {
+                    let choices = (0..m.num_choices())
+                        .map(|_| Ok(ChoiceOut { detok: Detok::default(), matcher: StopStringMatcher::from_params(&params)?, released: 0, done: false }))
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok(MachineState {
+                        machine: m,
+                        seqs: HashMap::from([(0, sid)]),
+                        fed: vec![(0, prompt_rows.0.clamp(1, req.prompt.len()), prompt_rows.1)],
+                        rows: HashMap::new(),
+                        draft_seqs: HashMap::new(),
+                        draft_feeds: Vec::new(),
+                        draft_fed: Vec::new(),
+                        draft_rows: HashMap::new(),
+                        choices,
+                    })
+                }) {
+                    None => None,
+                    Some(Ok(m)) => {
+                        self.machine_seqs.insert(sid, (id, 0));
+                        Some(m)
+                    }
+                    Some(Err(e)) => {
+                        self.sched.remove(sid, &mut self.cache);
+                        let _ = events.send(EngineEvent::Failed(e.to_string()));
+                        self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
+                        return;
+                    }
+                };
                 if machine.is_none() {
                     self.seqs.insert(sid, SeqState { req: id, index: 0, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None, constraint: req.constraint });
                 }
@@ -773,6 +1069,11 @@ impl Engine {
                         first_token_seen: false,
                         cached_tokens: None,
                         machine,
+                        early_exit: match req.strategy {
+                            Some(Strategy::EarlyExit(cfg)) => Some(cfg),
+                            _ => None,
+                        },
+                        use_heads,
                     },
                 );
             }
@@ -790,13 +1091,85 @@ impl Engine {
         self.seqs.get(&sid).map(|s| s.req).or_else(|| self.machine_seqs.get(&sid).map(|&(r, _)| r))
     }
 
+    /// Frees every sequence of a request that left `reqs`: its target sequences and, for a
+    /// step machine, its draft-model sequences.
+    fn free_request(&mut self, r: ReqState) {
+        for sid in r.seqs {
+            self.drop_seq(sid);
+        }
+        if let (Some(m), Some(d)) = (r.machine, self.draft.as_mut()) {
+            for sid in m.draft_seqs.into_values() {
+                let _ = d.cache.free_seq(sid);
+            }
+        }
+    }
+
     fn cancel(&mut self, id: u64) {
         if let Some(r) = self.reqs.remove(&id) {
-            for sid in r.seqs {
-                self.drop_seq(sid);
-            }
+            self.free_request(r);
             self.metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
             self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Runs the pending draft-model feeds of every step-machine request, one batched forward
+    /// of the draft model per round, advancing the machines with the rows, until no machine
+    /// feeds its draft any more (they have then fed the target, or finished).
+    fn run_drafts(&mut self) {
+        loop {
+            let mut ids: Vec<u64> = self.reqs.iter().filter(|(_, r)| r.machine.as_ref().is_some_and(|m| !m.draft_feeds.is_empty())).map(|(&id, _)| id).collect();
+            if ids.is_empty() {
+                return;
+            }
+            ids.sort_unstable();
+            let Some(d) = self.draft.as_mut() else {
+                for id in ids {
+                    self.fail(id, "the strategy fed a draft model, but this engine has none".into());
+                }
+                return;
+            };
+            // (request, local, draft sequence, tokens)
+            let mut work: Vec<(u64, Local, SeqId, Vec<u32>)> = Vec::new();
+            let mut failed: Vec<(u64, String)> = Vec::new();
+            for &id in &ids {
+                let Some(m) = self.reqs.get_mut(&id).and_then(|r| r.machine.as_mut()) else { continue };
+                for (local, tokens) in m.draft_feeds.drain(..) {
+                    let sid = *m.draft_seqs.entry(local).or_insert_with(|| {
+                        d.next_seq += 1;
+                        d.next_seq
+                    });
+                    let total = deco_model::KvCache::seq_len(&d.cache, sid) + tokens.len();
+                    if let Err(e) = d.cache.reserve(sid, total) {
+                        failed.push((id, format!("draft model cache: {e}")));
+                        continue;
+                    }
+                    m.draft_fed.push(local);
+                    work.push((id, local, sid, tokens));
+                }
+            }
+            work.retain(|w| !failed.iter().any(|f| f.0 == w.0));
+            if !work.is_empty() {
+                let inputs: Vec<SeqInput<'_>> = work.iter().map(|w| SeqInput { seq: w.2, tokens: &w.3 }).collect();
+                let ones = vec![1; inputs.len()];
+                let out = d.model.forward_rows(&inputs, &mut d.cache, &ones, d.num_layers).and_then(|o| o.logits_rows());
+                self.metrics.draft_steps.fetch_add(1, Ordering::Relaxed);
+                match out {
+                    Ok(rows) => {
+                        for (w, row) in work.iter().zip(rows) {
+                            if let Some(m) = self.reqs.get_mut(&w.0).and_then(|r| r.machine.as_mut()) {
+                                m.draft_rows.insert(w.1, row);
+                            }
+                        }
+                    }
+                    Err(e) => failed.extend(work.iter().map(|w| (w.0, format!("draft forward pass failed: {e}")))),
+                }
+            }
+            for (id, msg) in failed {
+                self.fail(id, msg);
+            }
+            for id in ids {
+                self.advance_machine(id);
+            }
         }
     }
 
@@ -808,7 +1181,17 @@ impl Engine {
     }
 
     fn step(&mut self) {
+        self.run_drafts();
         let plan = self.sched.schedule(&mut self.cache);
+        // A step-machine sequence preempted after it reported rows reports them again once
+        // recomputed.
+        for sid in &plan.preempted {
+            if let Some(&(req_id, local)) = self.machine_seqs.get(sid)
+                && let Some(m) = self.reqs.get_mut(&req_id).and_then(|r| r.machine.as_mut())
+            {
+                m.rows.remove(&local);
+            }
+        }
         if plan.chunks.is_empty() {
             return;
         }
@@ -824,18 +1207,33 @@ impl Engine {
             self.metrics.prompt_tokens_computed.fetch_add(prompt_part as u64, Ordering::Relaxed);
         }
         let inputs: Vec<SeqInput<'_>> = plan.chunks.iter().map(|c| SeqInput { seq: c.seq, tokens: &c.tokens }).collect();
-        let with_hidden = self.autodeco.is_some();
-        let out = self.model.forward(&inputs, &mut self.cache, LogitsWanted::Last).and_then(|o| {
-            let logits = o.logits_rows()?;
-            let hidden = if with_hidden {
-                deco_model::host::to_host_rows(o.hidden)?
-            } else {
-                Vec::new()
-            };
-            Ok((logits, hidden))
-        });
+        // Rows per chunk: the last token's for sampling; for a step machine's sequence, the
+        // positions of the chunk in the window its feed asked rows for (at least one row is
+        // computed; extra rows are dropped).
+        let wanted: Vec<(usize, bool)> = plan
+            .chunks
+            .iter()
+            .map(|c| match self.machine_seqs.get(&c.seq) {
+                Some(&(req_id, local)) => {
+                    let total = self.sched.get(c.seq).map_or(0, |s| s.tokens.len());
+                    self.reqs.get(&req_id).and_then(|r| r.machine.as_ref()).map_or((0, false), |m| m.rows_in_chunk(local, c.start, c.tokens.len(), total))
+                }
+                None => (usize::from(c.samples), false),
+            })
+            .collect();
+        let counts: Vec<usize> = wanted.iter().map(|w| w.0.max(1)).collect();
+        let with_hidden = plan.chunks.iter().any(|c| self.req_of(c.seq).and_then(|r| self.reqs.get(&r)).is_some_and(|r| r.use_heads)) || wanted.iter().any(|w| w.1);
+        // Decode tokens of early-exit requests run alone, through their own depth.
+        let exits: Vec<Option<EarlyExitConfig>> = plan
+            .chunks
+            .iter()
+            .map(|c| if c.tokens.len() == 1 { self.req_of(c.seq).and_then(|r| self.reqs.get(&r)).and_then(|r| r.early_exit) } else { None })
+            .collect();
+        let t_forward = Instant::now();
+        let out = self.forward_split(&inputs, &counts, &exits, with_hidden);
+        self.metrics.forward_ns.fetch_add(t_forward.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.metrics.steps.fetch_add(1, Ordering::Relaxed);
-        let (rows, hidden_rows) = match out {
+        let (all_rows, all_hidden, ranges) = match out {
             Ok(r) => r,
             Err(e) => {
                 self.metrics.step_errors.fetch_add(1, Ordering::Relaxed);
@@ -848,20 +1246,31 @@ impl Engine {
             }
         };
         let mut machine_reqs = Vec::new();
-        for (ci, (c, row)) in plan.chunks.iter().zip(rows).enumerate() {
+        for (ci, c) in plan.chunks.iter().enumerate() {
             self.sched.computed(c.seq, c.tokens.len());
-            if !c.samples {
-                continue;
-            }
+            let range = ranges[ci].clone();
             if let Some(&(req_id, local)) = self.machine_seqs.get(&c.seq) {
-                if let Some(m) = self.reqs.get_mut(&req_id).and_then(|r| r.machine.as_mut()) {
-                    m.rows.insert(local, row);
+                let (n, hidden) = wanted[ci];
+                if n > 0
+                    && let Some(m) = self.reqs.get_mut(&req_id).and_then(|r| r.machine.as_mut())
+                {
+                    let keep = range.end - n..range.end;
+                    let e = m.rows.entry(local).or_default();
+                    e.0.extend(all_rows[keep.clone()].iter().cloned());
+                    if hidden {
+                        e.1.extend(all_hidden[keep].iter().cloned());
+                    }
                     if !machine_reqs.contains(&req_id) {
                         machine_reqs.push(req_id);
                     }
                 }
                 continue;
             }
+            if !c.samples {
+                continue;
+            }
+            let row = all_rows[range.end - 1].clone();
+            let hidden_row = all_hidden.get(range.end - 1).map(Vec::as_slice);
             let Some(req_id) = self.seqs.get(&c.seq).map(|s| s.req) else { continue };
             // n > 1: fork the prefilled prompt into n sequences.
             let mut targets = vec![c.seq];
@@ -900,7 +1309,7 @@ impl Engine {
             }
             for sid in targets {
                 let mut row = row.clone();
-                if let Err(e) = self.sample_one(sid, &mut row, hidden_rows.get(ci).map(Vec::as_slice)) {
+                if let Err(e) = self.sample_one(sid, &mut row, hidden_row) {
                     self.fail(req_id, e.to_string());
                     break;
                 }
@@ -911,45 +1320,110 @@ impl Engine {
         }
     }
 
-    /// Advances the step machine of `req_id` if every sequence it fed has its row and is still
-    /// fully computed (a sequence preempted after reporting is waited for again), then applies
-    /// its cache operations and releases its output.
+    /// One step's forward: the batched forward of every chunk, except decode tokens of
+    /// early-exit requests (`exits[i]`), which run [`Llama::forward_early_exit`] one by one.
+    /// Returns the logits rows, the hidden rows (when `with_hidden`; empty for early-exit
+    /// rows) and each chunk's row range, in chunk order.
+    #[allow(clippy::type_complexity)]
+    fn forward_split(
+        &mut self,
+        inputs: &[SeqInput<'_>],
+        counts: &[usize],
+        exits: &[Option<EarlyExitConfig>],
+        with_hidden: bool,
+    ) -> deco_model::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<std::ops::Range<usize>>)> {
+        let batched: Vec<usize> = (0..inputs.len()).filter(|&i| exits[i].is_none()).collect();
+        let (mut b_logits, mut b_hidden, mut b_ranges) = (Vec::new(), Vec::new(), Vec::new());
+        if !batched.is_empty() {
+            let b_inputs: Vec<SeqInput<'_>> = batched.iter().map(|&i| inputs[i]).collect();
+            let b_counts: Vec<usize> = batched.iter().map(|&i| counts[i]).collect();
+            let o = self.model.forward_rows(&b_inputs, &mut self.cache, &b_counts, self.model.num_layers())?;
+            b_logits = o.logits_rows()?;
+            if with_hidden {
+                b_hidden = deco_model::host::to_host_rows(o.hidden)?;
+            }
+            b_ranges = o.rows;
+        }
+        if batched.len() == inputs.len() {
+            return Ok((b_logits, b_hidden, b_ranges));
+        }
+        let (mut logits, mut hidden, mut ranges) = (Vec::new(), Vec::new(), Vec::with_capacity(inputs.len()));
+        let mut b = 0;
+        let depth = self.model.num_layers() as u64;
+        for (i, inp) in inputs.iter().enumerate() {
+            let start = logits.len();
+            match exits[i] {
+                Some(cfg) => {
+                    let step = self.model.forward_early_exit(inp.seq, inp.tokens[0], &mut self.cache, &cfg)?;
+                    self.metrics.early_exit_layers_run.fetch_add(step.exit_layer as u64, Ordering::Relaxed);
+                    self.metrics.early_exit_layers_total.fetch_add(depth, Ordering::Relaxed);
+                    logits.push(step.logits);
+                    if with_hidden {
+                        hidden.push(Vec::new());
+                    }
+                }
+                None => {
+                    let r = b_ranges[b].clone();
+                    logits.extend(b_logits[r.clone()].iter().cloned());
+                    if with_hidden {
+                        hidden.extend(b_hidden[r].iter().cloned());
+                    }
+                    b += 1;
+                }
+            }
+            ranges.push(start..logits.len());
+        }
+        Ok((logits, hidden, ranges))
+    }
+
+    /// Advances the step machine of `req_id` once every sequence it fed has its rows (see
+    /// [`MachineState::ready`]), then applies its cache operations and releases its output.
     fn advance_machine(&mut self, req_id: u64) {
         let Some(r) = self.reqs.get_mut(&req_id) else { return };
         let Some(m) = r.machine.as_mut() else { return };
-        let sched = &self.sched;
-        let ready = m.fed.iter().all(|l| {
-            m.rows.contains_key(l) && m.seqs.get(l).and_then(|&sid| sched.get(sid)).is_some_and(|s| s.num_computed == s.tokens.len())
-        });
-        if !ready {
+        if !m.ready(&self.sched) {
             return;
         }
-        let rows: Vec<SeqRows> = m.fed.drain(..).filter_map(|seq| m.rows.remove(&seq).map(|logits| SeqRows { seq, logits })).collect();
+        let rows: Vec<SeqRows> = if m.draft_fed.is_empty() {
+            let fed = std::mem::take(&mut m.fed);
+            fed.into_iter()
+                .filter_map(|(seq, _, _)| m.rows.remove(&seq).map(|(logits, hidden)| SeqRows { seq, role: Role::Target, logits, hidden }))
+                .collect()
+        } else {
+            let fed = std::mem::take(&mut m.draft_fed);
+            fed.into_iter().filter_map(|seq| m.draft_rows.remove(&seq).map(|row| SeqRows { seq, role: Role::Draft, logits: vec![row], hidden: Vec::new() })).collect()
+        };
         m.rows.clear();
+        m.draft_rows.clear();
         let step = match m.machine.advance(rows) {
             Ok(s) => s,
             Err(e) => return self.fail(req_id, e.to_string()),
         };
+        self.metrics.spec_draft_tokens.fetch_add(step.drafted as u64, Ordering::Relaxed);
+        self.metrics.spec_accepted_tokens.fetch_add(step.accepted as u64, Ordering::Relaxed);
         let last = step.is_final();
         if let Err(e) = self.apply_ops(req_id, step.ops) {
             return self.fail(req_id, format!("strategy step: {e}"));
         }
-        if let Err(e) = self.release(req_id, step.output) {
-            return self.fail(req_id, e.to_string());
-        }
-        if last && let Some(r) = self.reqs.remove(&req_id) {
-            for sid in r.seqs {
-                self.drop_seq(sid);
-            }
+        let all_done = match self.release(req_id, step.output) {
+            Ok(done) => done,
+            Err(e) => return self.fail(req_id, e.to_string()),
+        };
+        if (last || all_done)
+            && let Some(r) = self.reqs.remove(&req_id)
+        {
             self.metrics.latency.e2e_request_latency.observe(r.arrival.elapsed().as_secs_f64());
+            self.free_request(r);
             self.metrics.requests_finished.fetch_add(1, Ordering::Relaxed);
             self.metrics.pending_requests.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
-    /// Applies a step machine's cache operations to the scheduler and the paged cache.
+    /// Applies a step machine's cache operations to the scheduler, the paged cache and the
+    /// draft model's cache.
     fn apply_ops(&mut self, req_id: u64, ops: Vec<Op>) -> Result<()> {
         let unknown = |l: Local| Error::InvalidRequest(format!("the strategy used sequence {l}, which it does not hold"));
+        let (mut target_feeds, mut draft_feeds) = (false, false);
         for op in ops {
             let Some(r) = self.reqs.get_mut(&req_id) else { return Ok(()) };
             let Some(m) = r.machine.as_mut() else { return Ok(()) };
@@ -969,53 +1443,110 @@ impl Engine {
                     r.seqs.push(child);
                     self.machine_seqs.insert(child, (req_id, to));
                 }
-                Op::Feed { seq, tokens } => {
+                Op::Feed { seq, tokens, rows, hidden } => {
                     let sid = *m.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+                    if tokens.is_empty() || rows == 0 || rows > tokens.len() {
+                        return Err(Error::InvalidRequest(format!("the strategy fed {} tokens wanting {rows} rows", tokens.len())));
+                    }
                     for t in tokens {
                         self.sched.push_token(sid, t);
                     }
-                    m.fed.push(seq);
+                    m.fed.push((seq, rows, hidden));
+                    target_feeds = true;
+                }
+                Op::Truncate { seq, len } => {
+                    let sid = *m.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+                    self.sched.truncate(sid, len);
+                    if deco_model::KvCache::seq_len(&self.cache, sid) > len {
+                        deco_model::KvCache::truncate(&mut self.cache, sid, len)?;
+                    }
                 }
                 Op::Remove(seq) => {
                     let sid = m.seqs.remove(&seq).ok_or_else(|| unknown(seq))?;
                     r.seqs.retain(|&x| x != sid);
                     self.drop_seq(sid);
                 }
+                Op::DraftFeed { seq, tokens } => {
+                    if tokens.is_empty() {
+                        return Err(Error::InvalidRequest("the strategy fed its draft no tokens".into()));
+                    }
+                    m.draft_feeds.push((seq, tokens));
+                    draft_feeds = true;
+                }
+                Op::DraftTruncate { seq, len } => {
+                    let sid = *m.draft_seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+                    if let Some(d) = self.draft.as_mut()
+                        && deco_model::KvCache::seq_len(&d.cache, sid) > len
+                    {
+                        deco_model::KvCache::truncate(&mut d.cache, sid, len)?;
+                    }
+                }
+                Op::DraftRemove(seq) => {
+                    let sid = m.draft_seqs.remove(&seq).ok_or_else(|| unknown(seq))?;
+                    if let Some(d) = self.draft.as_mut() {
+                        d.cache.free_seq(sid)?;
+                    }
+                }
             }
+        }
+        if target_feeds && draft_feeds {
+            return Err(Error::InvalidRequest("the strategy fed the target and the draft model in one step".into()));
         }
         Ok(())
     }
 
     /// Sends a step machine's released choices to the client: the text of their tokens (an end
-    /// token is counted, not shown) and, for finished choices, their end.
-    fn release(&mut self, req_id: u64, output: Vec<deco_generate::Choice>) -> Result<()> {
-        let Some(r) = self.reqs.get_mut(&req_id) else { return Ok(()) };
-        let Some(m) = r.machine.as_mut() else { return Ok(()) };
+    /// token is counted, not shown; stop strings end a choice as in sampling) and, for finished
+    /// choices, their end. Returns whether every choice of the request is now done.
+    fn release(&mut self, req_id: u64, output: Vec<deco_generate::Choice>) -> Result<bool> {
+        let Some(r) = self.reqs.get_mut(&req_id) else { return Ok(true) };
+        let Some(m) = r.machine.as_mut() else { return Ok(true) };
         let now = Instant::now();
         for c in output {
-            let Some((detok, released)) = m.choices.get_mut(c.index) else {
-                return Err(Error::InvalidRequest(format!("the strategy released choice {}, the request has {}", c.index, m.choices.len())));
+            let n_choices = m.choices.len();
+            let Some(ch) = m.choices.get_mut(c.index) else {
+                return Err(Error::InvalidRequest(format!("the strategy released choice {}, the request has {n_choices}", c.index)));
             };
+            if ch.done {
+                continue;
+            }
             if !r.first_token_seen && !c.tokens.is_empty() {
                 r.first_token_seen = true;
                 self.metrics.latency.time_to_first_token.observe(now.duration_since(r.arrival).as_secs_f64());
                 self.metrics.prompt_tokens.fetch_add(r.prompt.len() as u64, Ordering::Relaxed);
             }
-            *released += c.tokens.len();
-            self.metrics.generation_tokens.fetch_add(c.tokens.len() as u64, Ordering::Relaxed);
             let mut text = String::new();
             let mut tokens = Vec::with_capacity(c.tokens.len());
-            for &t in c.tokens.iter().filter(|t| !self.eos.contains(t)) {
-                text.push_str(&detok.step(&self.tokenizer, t)?);
-                tokens.push(TokenInfo { id: t, logprob: None, top: Vec::new() });
+            let mut finish = c.finish;
+            for &t in &c.tokens {
+                ch.released += 1;
+                if self.eos.contains(&t) {
+                    continue;
+                }
+                tokens.push(TokenInfo { id: t, autodeco: None, logprob: None, top: Vec::new() });
+                let step = ch.matcher.push(&ch.detok.step(&self.tokenizer, t)?);
+                text.push_str(&step.text);
+                if step.stop.is_some() {
+                    finish = Some(FinishReason::Stop);
+                    break;
+                }
             }
-            if c.finish.is_some() {
-                text.push_str(&detok.flush(&self.tokenizer)?);
+            self.metrics.generation_tokens.fetch_add(tokens.len() as u64, Ordering::Relaxed);
+            if finish.is_some() && !ch.matcher.is_stopped() {
+                let rest = ch.detok.flush(&self.tokenizer)?;
+                let more = ch.matcher.push(&rest);
+                text.push_str(&more.text);
+                if more.stop.is_some() {
+                    finish = Some(FinishReason::Stop);
+                } else {
+                    text.push_str(&ch.matcher.flush());
+                }
             }
             let _ = r.events.send(EngineEvent::Delta { index: c.index, text, tokens });
-            if let Some(reason) = c.finish {
+            if let Some(reason) = finish {
+                ch.done = true;
                 let cached_prompt_tokens = r.cached_tokens.unwrap_or(0);
-                let _ = r.events.send(EngineEvent::Finished { index: c.index, reason, completion_tokens: *released, cached_prompt_tokens, cumulative_logprob: c.cumulative_logprob });
+                let _ = r.events.send(EngineEvent::Finished { index: c.index, reason, completion_tokens: ch.released, cached_prompt_tokens, cumulative_logprob: c.cumulative_logprob });
                 match reason {
                     FinishReason::Length => &self.metrics.finished_length,
                     FinishReason::Stop | FinishReason::EosToken => &self.metrics.finished_stop,
@@ -1023,7 +1554,7 @@ impl Engine {
                 .fetch_add(1, Ordering::Relaxed);
             }
         }
-        Ok(())
+        Ok(m.choices.iter().all(|c| c.done))
     }
 
     fn sample_one(&mut self, sid: SeqId, row: &mut [f32], hidden: Option<&[f32]>) -> Result<()> {
@@ -1037,14 +1568,25 @@ impl Engine {
             self.metrics.structured_mask_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             self.metrics.structured_masks.fetch_add(1, Ordering::Relaxed);
         }
+        let mut predicted_tp = None;
+        let t_sample = Instant::now();
         let out = match (&self.autodeco, hidden) {
-            (Some(heads), Some(h)) if !r.params.is_greedy() => {
+            (Some(heads), Some(h)) if r.use_heads => {
                 let predicted = heads.predict(h, row)?;
+                self.metrics.autodeco_heads_ns.fetch_add(t_sample.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                predicted_tp = Some((predicted.temperature, predicted.top_p));
+                let t = Instant::now();
                 let p = deco_autodeco::decode::combine(&r.params, predicted);
                 let processors = LogitsProcessorList::from_params(&p, SamplerOrder::HuggingFace)?;
-                s.sampler.sample_with(&processors, &ctx, row)?
+                let out = s.sampler.sample_with(&processors, &ctx, row)?;
+                self.metrics.sampling_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                out
             }
-            _ => s.sampler.sample(&ctx, row)?,
+            _ => {
+                let out = s.sampler.sample(&ctx, row)?;
+                self.metrics.sampling_ns.fetch_add(t_sample.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                out
+            }
         };
         s.generated.push(out.token);
         self.metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
@@ -1095,10 +1637,11 @@ impl Engine {
             let info = match (r.want_logprobs, out.logprobs) {
                 (Some(_), Some(lp)) => TokenInfo {
                     id: out.token,
+                    autodeco: predicted_tp,
                     logprob: Some(lp.raw_logprob),
                     top: lp.raw_top_logprobs.iter().map(|t| (t.token, t.logprob)).collect(),
                 },
-                _ => TokenInfo { id: out.token, logprob: None, top: Vec::new() },
+                _ => TokenInfo { id: out.token, autodeco: predicted_tp, logprob: None, top: Vec::new() },
             };
             tokens.push(info);
         }

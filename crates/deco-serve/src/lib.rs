@@ -25,7 +25,7 @@ pub mod structured;
 pub mod tools;
 
 pub use block_pool::{BlockId, BlockPool, PrefixKey};
-pub use engine::{EngineConfig, EngineEvent, EngineHandle, GenerateRequest, Histogram, Strategy, LatencyHistograms, Metrics, TokenInfo, spawn_engine, spawn_engine_with};
+pub use engine::{DraftModel, EngineConfig, EngineEvent, EngineHandle, EngineOptions, GenerateRequest, Histogram, LatencyHistograms, Metrics, Speculation, Strategy, TokenInfo, spawn_engine, spawn_engine_opts, spawn_engine_with};
 pub use error::{Error, Result};
 pub use paged_cache::{CacheShape, PagedKvCache};
 pub use scheduler::{Chunk, SchedSeq, Scheduler, SchedulerConfig, StepPlan};

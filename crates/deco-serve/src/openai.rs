@@ -143,27 +143,26 @@ const NON_SAMPLING_KEYS: &[&str] = &[
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream",
     "stream_options", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "user",
     "add_generation_prompt", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "guided_json", "guided_regex", "guided_grammar", "num_beams", "length_penalty", "early_stopping",
+    "guided_json", "guided_regex", "guided_grammar", "num_beams", "length_penalty", "early_stopping", "penalty_alpha", "early_exit", "contrastive_decoding", "autodeco",
 ];
 
 /// The request fields of `/v1/completions` besides [`SamplingParams::FIELDS`].
 pub const COMPLETION_KEYS: &[&str] = &[
     "model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo", "best_of", "suffix", "user",
     "response_format", "guided_json", "guided_regex", "guided_grammar", "tools", "tool_choice", "parallel_tool_calls",
-    "num_beams", "length_penalty", "early_stopping",
+    "num_beams", "length_penalty", "early_stopping", "penalty_alpha", "early_exit", "contrastive_decoding", "autodeco",
 ];
 
 /// The request fields of `/v1/chat/completions` besides [`SamplingParams::FIELDS`].
 pub const CHAT_KEYS: &[&str] = &[
     "model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "logprobs",
     "top_logprobs", "user", "add_generation_prompt", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "guided_json", "guided_regex", "guided_grammar", "num_beams", "length_penalty", "early_stopping",
+    "guided_json", "guided_regex", "guided_grammar", "num_beams", "length_penalty", "early_stopping", "penalty_alpha", "early_exit", "contrastive_decoding", "autodeco",
 ];
 
 /// The first field of a request object (in its order) that is neither one of `endpoint_keys`
 /// nor a [`SamplingParams`] field, ignoring `null`s: a parameter deco would otherwise silently
-/// ignore (e.g. `penalty_alpha` while contrastive search is not served, `echo` on chat, a
-/// misspelled `temprature`).
+/// ignore (e.g. `echo` on chat, vLLM's `guided_choice`, a misspelled `temprature`).
 pub fn unknown_field<'a>(body: &'a Value, endpoint_keys: &[&str]) -> Option<&'a str> {
     body.as_object()?
         .iter()

@@ -81,6 +81,8 @@ pub struct Scheduler {
     preemptions: u64,
     prefix_cache_queries: u64,
     prefix_cache_hits: u64,
+    /// Sequences admitted without the prefix cache ([`Scheduler::add_uncached`]).
+    uncached: std::collections::HashSet<SeqId>,
 }
 
 impl Scheduler {
@@ -97,6 +99,13 @@ impl Scheduler {
     /// Queues a new sequence (FCFS: behind every waiting one).
     pub fn add(&mut self, id: SeqId, tokens: Vec<u32>) {
         self.waiting.push_back(SchedSeq { id, tokens, num_computed: 0 });
+    }
+
+    /// Queues a new sequence whose every prompt position must be computed (its strategy reads
+    /// rows of the whole prompt): the prefix cache is not used for it.
+    pub fn add_uncached(&mut self, id: SeqId, tokens: Vec<u32>) {
+        self.uncached.insert(id);
+        self.add(id, tokens);
     }
 
     /// Adds a sequence that is already cached up to `num_computed` (a fork) to the running set.
@@ -158,8 +167,18 @@ impl Scheduler {
         }
     }
 
+    /// Keeps the first `len` tokens of `id` (a strategy's rejected speculative tokens are
+    /// dropped); computed tokens beyond `len` stop counting. The caller truncates the cache.
+    pub fn truncate(&mut self, id: SeqId, len: usize) {
+        if let Some(s) = self.get_mut(id) {
+            s.tokens.truncate(len);
+            s.num_computed = s.num_computed.min(len);
+        }
+    }
+
     /// Removes `id` (finished or aborted) from either queue and frees its blocks.
     pub fn remove(&mut self, id: SeqId, cache: &mut PagedKvCache) {
+        self.uncached.remove(&id);
         self.running.retain(|s| s.id != id);
         self.waiting.retain(|s| s.id != id);
         let _ = cache.free_seq(id);
@@ -215,7 +234,7 @@ impl Scheduler {
             let Some(front) = self.waiting.front() else { break };
             let id = front.id;
             let tokens = front.tokens.clone();
-            let cached = cache.attach_prefix(id, &tokens).unwrap_or(0);
+            let cached = if self.uncached.contains(&id) { 0 } else { cache.attach_prefix(id, &tokens).unwrap_or(0) };
             let n = (tokens.len() - cached).min(budget);
             if cache.reserve(id, cached + n).is_err() {
                 let _ = cache.free_seq(id);

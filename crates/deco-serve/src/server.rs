@@ -45,7 +45,8 @@ use deco_decoding::{FinishReason, SamplingParams};
 use deco_formats::chat_template::{ChatMessage, ChatTemplate};
 use deco_formats::tokenizer::Tokenizer;
 use futures_util::stream::{self, BoxStream, StreamExt};
-use deco_generate::{BeamSearchParams, EarlyStopping};
+use deco_generate::{BeamSearchParams, ContrastiveDecodingParams, EarlyStopping};
+use deco_model::early_exit::EarlyExitConfig;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -379,8 +380,12 @@ pub struct PreparedRequest {
     /// How the output is read back into tool calls (chat requests with tools, unless
     /// `tool_choice` is `none`).
     pub tool_output: Option<tools::ToolOutput>,
-    /// The decoding strategy when not sampling (`num_beams > 1`: beam search).
+    /// The decoding strategy when not plain sampling (beam search, contrastive search, early
+    /// exit).
     pub strategy: Option<Strategy>,
+    /// The request's `autodeco` field: whether the server's AutoDeco heads choose its
+    /// temperature and top-p (`None`: yes when the server has heads).
+    pub autodeco: Option<bool>,
     default_max: DefaultMax,
 }
 
@@ -413,15 +418,24 @@ fn parse_body(body: &[u8]) -> ApiResult<Value> {
 
 /// Reads the strategy fields of a request under Hugging Face's names: `num_beams` (> 1 selects
 /// beam search, with `n` as `num_return_sequences`), `length_penalty`, `early_stopping` (`true`,
-/// `false` or `"never"`). What beam search cannot honour is refused, naming the field: sampling
-/// (`temperature > 0`, `do_sample`, the warpers `top_k`, `top_p`, `min_p`, `typical_p`,
-/// `epsilon_cutoff`, `eta_cutoff`), `stop` strings, `logprobs`, `n > num_beams`, and the beam
-/// fields without `num_beams > 1`.
+/// `false` or `"never"`); `penalty_alpha` (> 0, with `top_k` > 1 candidates, selects contrastive
+/// search; 0 is greedy decoding, as in Hugging Face). What a strategy cannot honour is refused,
+/// naming the field: sampling (`temperature > 0`, `do_sample`), the warpers, `stop` strings
+/// for beam search, `logprobs`, `n` beyond what the strategy returns, two strategies at once,
+/// and a strategy's fields without the strategy.
 fn parse_strategy(v: &Value, params: &SamplingParams, n: usize) -> ApiResult<Option<Strategy>> {
     let field = |k: &str| v.get(k).filter(|x| !x.is_null());
     let num_beams = match field("num_beams") {
         None => 1,
         Some(x) => x.as_u64().filter(|&b| b >= 1).ok_or_else(|| ApiError::bad("num_beams must be a positive integer").param("num_beams"))? as usize,
+    };
+    let penalty_alpha = match field("penalty_alpha") {
+        None => None,
+        Some(x) => Some(
+            x.as_f64()
+                .filter(|a| (0.0..=1.0).contains(a))
+                .ok_or_else(|| ApiError::bad("penalty_alpha must be a number in [0, 1]").param("penalty_alpha"))? as f32,
+        ),
     };
     if num_beams == 1 {
         for k in ["length_penalty", "early_stopping"] {
@@ -429,7 +443,85 @@ fn parse_strategy(v: &Value, params: &SamplingParams, n: usize) -> ApiResult<Opt
                 return Err(ApiError::bad(format!("{k} applies to beam search only; set num_beams > 1")).param(k));
             }
         }
+    }
+    let contrastive = penalty_alpha.filter(|&a| a > 0.0);
+    if let Some(x) = field("contrastive_decoding") {
+        if num_beams > 1 || contrastive.is_some() || field("early_exit").is_some() {
+            return Err(ApiError::bad("contrastive_decoding cannot be combined with beam search, contrastive search or early exit").param("contrastive_decoding"));
+        }
+        let d = ContrastiveDecodingParams::default();
+        let obj = x.as_object().ok_or_else(|| ApiError::bad("contrastive_decoding must be an object {alpha, amateur_temperature}").param("contrastive_decoding"))?;
+        if let Some(k) = obj.keys().find(|k| !["alpha", "amateur_temperature"].contains(&k.as_str())) {
+            return Err(ApiError::bad(format!("contrastive_decoding has no field `{k}` (alpha, amateur_temperature)")).param("contrastive_decoding"));
+        }
+        let num = |k: &str, default: f32| -> ApiResult<f32> {
+            match obj.get(k).filter(|v| !v.is_null()) {
+                None => Ok(default),
+                Some(v) => v.as_f64().filter(|f| f.is_finite()).map(|f| f as f32).ok_or_else(|| ApiError::bad(format!("contrastive_decoding.{k} must be a number")).param("contrastive_decoding")),
+            }
+        };
+        if n != 1 || params.logprobs.is_some() {
+            return Err(ApiError::bad("contrastive decoding returns one choice without logprobs").param(if n != 1 { "n" } else { "logprobs" }));
+        }
+        let cd = ContrastiveDecodingParams { alpha: num("alpha", d.alpha)?, amateur_temperature: num("amateur_temperature", d.amateur_temperature)? };
+        return Ok(Some(Strategy::ContrastiveDecoding(cd)));
+    }
+    if let Some(x) = field("early_exit") {
+        if num_beams > 1 || contrastive.is_some() {
+            return Err(ApiError::bad("early_exit cannot be combined with beam or contrastive search").param("early_exit"));
+        }
+        let d = EarlyExitConfig::default();
+        let obj = x.as_object().ok_or_else(|| ApiError::bad("early_exit must be an object {entropy_threshold, min_layers, check_every}").param("early_exit"))?;
+        if let Some(k) = obj.keys().find(|k| !["entropy_threshold", "min_layers", "check_every"].contains(&k.as_str())) {
+            return Err(ApiError::bad(format!("early_exit has no field `{k}` (entropy_threshold, min_layers, check_every)")).param("early_exit"));
+        }
+        let num = |k: &str| obj.get(k).filter(|v| !v.is_null());
+        let bad = |k: &str, what: &str| ApiError::bad(format!("early_exit.{k} must be {what}")).param("early_exit");
+        let entropy_threshold = match num("entropy_threshold") {
+            None => d.entropy_threshold,
+            Some(v) => v.as_f64().filter(|t| t.is_finite()).ok_or_else(|| bad("entropy_threshold", "a finite number of nats"))? as f32,
+        };
+        let count = |k: &str, default: usize| -> ApiResult<usize> {
+            match num(k) {
+                None => Ok(default),
+                Some(v) => v.as_u64().filter(|&n| n >= 1).map(|n| n as usize).ok_or_else(|| bad(k, "an integer >= 1")),
+            }
+        };
+        let cfg = EarlyExitConfig { entropy_threshold, min_layers: count("min_layers", d.min_layers)?, check_every: count("check_every", d.check_every)? };
+        return Ok(Some(Strategy::EarlyExit(cfg)));
+    }
+    if num_beams == 1 && contrastive.is_none() {
         return Ok(None);
+    }
+    if num_beams > 1 && contrastive.is_some() {
+        return Err(ApiError::bad("num_beams and penalty_alpha select two strategies (beam search, contrastive search); choose one").param("penalty_alpha"));
+    }
+    let name = if num_beams > 1 { "beam search" } else { "contrastive search" };
+    if params.do_sample == Some(true) || params.temperature.is_some_and(|t| t > 0.0) {
+        return Err(ApiError::bad(format!("{name} is deterministic (Hugging Face do_sample=False); its sampling variant is not implemented: set temperature to 0 or leave it out")).param("temperature"));
+    }
+    let top_k_is_candidates = contrastive.is_some();
+    let unsupported = [
+        ("top_k", !top_k_is_candidates && params.top_k.is_some_and(|k| k > 0)),
+        ("top_p", params.top_p.is_some_and(|p| p < 1.0)),
+        ("min_p", params.min_p.is_some_and(|p| p > 0.0)),
+        ("typical_p", params.typical_p.is_some_and(|p| p < 1.0)),
+        ("epsilon_cutoff", params.epsilon_cutoff.is_some_and(|p| p > 0.0)),
+        ("eta_cutoff", params.eta_cutoff.is_some_and(|p| p > 0.0)),
+        ("stop", num_beams > 1 && params.stop.as_ref().is_some_and(|s| !s.is_empty())),
+        ("logprobs", params.logprobs.is_some()),
+    ];
+    if let Some((k, _)) = unsupported.iter().find(|w| w.1) {
+        return Err(ApiError::bad(format!("{k} is not supported with {name}")).param(*k));
+    }
+    if let Some(penalty_alpha) = contrastive {
+        if n != 1 {
+            return Err(ApiError::bad("contrastive search is deterministic: n must be 1").param("n"));
+        }
+        if params.top_k.is_none_or(|k| k <= 1) {
+            return Err(ApiError::bad("contrastive search needs top_k > 1 candidates (Hugging Face's rule)").param("top_k"));
+        }
+        return Ok(Some(Strategy::ContrastiveSearch { penalty_alpha }));
     }
     let length_penalty = match field("length_penalty") {
         None => 1.0,
@@ -445,27 +537,20 @@ fn parse_strategy(v: &Value, params: &SamplingParams, n: usize) -> ApiResult<Opt
     if n > num_beams {
         return Err(ApiError::bad(format!("n ({n}) must not exceed num_beams ({num_beams}): beam search returns its best n beams")).param("n"));
     }
-    if params.do_sample == Some(true) || params.temperature.is_some_and(|t| t > 0.0) {
-        return Err(ApiError::bad("beam search is deterministic (Hugging Face do_sample=False); beam sampling is not implemented: set temperature to 0 or leave it out").param("temperature"));
-    }
-    let unsupported = [
-        ("top_k", params.top_k.is_some_and(|k| k > 0)),
-        ("top_p", params.top_p.is_some_and(|p| p < 1.0)),
-        ("min_p", params.min_p.is_some_and(|p| p > 0.0)),
-        ("typical_p", params.typical_p.is_some_and(|p| p < 1.0)),
-        ("epsilon_cutoff", params.epsilon_cutoff.is_some_and(|p| p > 0.0)),
-        ("eta_cutoff", params.eta_cutoff.is_some_and(|p| p > 0.0)),
-        ("stop", params.stop.as_ref().is_some_and(|s| !s.is_empty())),
-        ("logprobs", params.logprobs.is_some()),
-    ];
-    if let Some((k, _)) = unsupported.iter().find(|w| w.1) {
-        return Err(ApiError::bad(format!("{k} is not supported with beam search (num_beams > 1)")).param(*k));
-    }
     Ok(Some(Strategy::Beam(BeamSearchParams { num_beams, length_penalty, early_stopping, num_return_sequences: n })))
 }
 
-/// Refuses a request field deco does not implement (a strategy not served yet such as
-/// `penalty_alpha`, `echo` on chat, a misspelling) with a 400 naming it, instead of ignoring it.
+/// The request's `autodeco` field (a boolean) if given.
+fn parse_autodeco(v: &Value) -> ApiResult<Option<bool>> {
+    match v.get("autodeco") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(ApiError::bad("autodeco must be true or false").param("autodeco")),
+    }
+}
+
+/// Refuses a request field deco does not implement (`echo` on chat, a vLLM extension deco
+/// lacks, a misspelling) with a 400 naming it, instead of ignoring it.
 fn refuse_unknown_fields(v: &Value, endpoint_keys: &[&str]) -> ApiResult<()> {
     match unknown_field(v, endpoint_keys) {
         Some(k) => Err(ApiError::bad(format!("unsupported request field `{k}`: deco serve does not implement it, and ignoring it would change the meaning of the request")).param(k)),
@@ -586,6 +671,13 @@ struct Usage {
 }
 
 fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
+    // What this server was not started with is named (the engine would refuse it anyway).
+    if prep.autodeco == Some(true) && !st.engine.has_autodeco() {
+        return Err(ApiError::bad("autodeco: this server has no AutoDeco heads (deco serve --autodeco DIR)").param("autodeco"));
+    }
+    if matches!(prep.strategy, Some(Strategy::ContrastiveDecoding(_))) && !st.engine.has_second_model() {
+        return Err(ApiError::bad("contrastive_decoding needs an amateur model: deco serve --amateur-model P or --amateur-layers K").param("contrastive_decoding"));
+    }
     let mut rxs = Vec::with_capacity(prep.prompts.len());
     let mut prompt_tokens = 0;
     let tool_output = prep.tool_output.clone();
@@ -595,7 +687,7 @@ fn submit_all(st: &ServerState, prep: PreparedRequest) -> ApiResult<Submitted> {
         params.max_new_tokens = Some(max);
         prompt_tokens += prompt.len();
         // Receivers already obtained are dropped on error, which cancels those requests.
-        let (_, rx) = st.engine.submit(GenerateRequest { prompt, params, n: prep.n, constraint: prep.constraint.clone(), strategy: prep.strategy })?;
+        let (_, rx) = st.engine.submit(GenerateRequest { prompt, params, n: prep.n, constraint: prep.constraint.clone(), strategy: prep.strategy, autodeco: prep.autodeco })?;
         rxs.push(rx);
     }
     Ok(Submitted { rxs, prompt_tokens, n: prep.n, tool_output })
@@ -872,6 +964,7 @@ pub fn prepare_completion(st: &RequestContext<'_>, body: &[u8]) -> std::result::
         constraint,
         tool_output: None,
         strategy,
+        autodeco: parse_autodeco(&v)?,
         default_max: DefaultMax::Fixed(16),
     })
 }
@@ -1012,6 +1105,7 @@ pub fn prepare_chat(st: &RequestContext<'_>, body: &[u8]) -> std::result::Result
         constraint,
         tool_output,
         strategy,
+        autodeco: parse_autodeco(&v)?,
         default_max: DefaultMax::RestOf(st.max_sequence_tokens),
     })
 }

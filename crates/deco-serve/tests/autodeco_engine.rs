@@ -1,34 +1,65 @@
 //! The serving engine with AutoDeco heads on SmolLM2-135M: a seeded request gives the same tokens
-//! alone and inside a batch, and the same tokens as offline AutoDeco decoding
-//! (`deco_autodeco::decode::generate_batch`); heads of another model are refused.
+//! alone and inside a batch, and they are reproduced by an independent replay (the request's
+//! prompt and tokens teacher-forced through one forward of the model with a dense cache, the
+//! heads and the seeded sampler applied row by row); heads of another model are refused.
 
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use deco_autodeco::decode::{SeqRequest, generate_batch};
-use deco_autodeco::heads::{AutoDecoConfig, AutoDecoHeads};
-use deco_decoding::{SamplerOrder, SamplingParams};
+use deco_autodeco::decode::combine;
+use deco_autodeco::heads::{AutoDecoConfig, AutoDecoHeads, HostHeads};
+use deco_decoding::{LogitsProcessorList, ProcessContext, Sampler, SamplerOrder, SamplingParams};
 use deco_formats::checkpoint::Checkpoint;
 use deco_formats::gguf::GgufFile;
 use deco_formats::tokenizer::Tokenizer;
-use deco_generate::LlamaSession;
-use deco_model::Llama;
+use deco_model::{DenseKvCache, Llama, LogitsWanted, SeqInput};
 use deco_serve::{EngineConfig, EngineEvent, GenerateRequest, spawn_engine_with};
 
 fn params(seed: u64) -> SamplingParams {
     SamplingParams { temperature: Some(0.9), top_p: Some(0.95), seed: Some(seed), max_new_tokens: Some(10), ..Default::default() }
 }
 
-fn collect(rx: &mut tokio::sync::mpsc::UnboundedReceiver<EngineEvent>) -> Vec<u32> {
-    let mut toks = Vec::new();
+/// A request's tokens and the heads' `(T, P)` per token.
+type Sampled = (Vec<u32>, Vec<(f32, f32)>);
+
+/// Collects one request's events.
+fn collect(rx: &mut tokio::sync::mpsc::UnboundedReceiver<EngineEvent>) -> Sampled {
+    let (mut toks, mut tp) = (Vec::new(), Vec::new());
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            EngineEvent::Delta { tokens, .. } => toks.extend(tokens.iter().map(|t| t.id)),
+            EngineEvent::Delta { tokens, .. } => {
+                toks.extend(tokens.iter().map(|t| t.id));
+                tp.extend(tokens.iter().filter_map(|t| t.autodeco));
+            }
             EngineEvent::Finished { .. } => break,
             EngineEvent::Failed(e) => panic!("engine failed: {e}"),
         }
     }
-    toks
+    (toks, tp)
+}
+
+/// Replays AutoDeco decoding of `prompt` + `tokens` independently of the engine: one forward over
+/// the whole sequence (dense cache, every position's logits and hidden state), then per position
+/// the heads' prediction and the seeded sampler with the combined parameters. Returns the
+/// replayed tokens and predictions.
+fn replay(model: &Llama, heads: &HostHeads, prompt: &[u32], tokens: &[u32], params: &SamplingParams, eos: &[u32]) -> Sampled {
+    let full: Vec<u32> = prompt.iter().chain(tokens).copied().collect();
+    let mut cache = DenseKvCache::new(model.num_layers());
+    let out = model.forward(&[SeqInput { seq: 0, tokens: &full[..full.len() - 1] }], &mut cache, LogitsWanted::All).expect("forward");
+    let logits = out.logits_rows().expect("logits");
+    let hidden = deco_model::host::to_host_rows(out.hidden).expect("hidden");
+    let mut sampler = Sampler::new(params).expect("sampler");
+    let (mut ids, mut tp) = (Vec::new(), Vec::new());
+    for i in 0..tokens.len() {
+        let row = prompt.len() - 1 + i;
+        let mut l = logits[row].clone();
+        let pred = heads.predict(&hidden[row], &l).expect("predict");
+        tp.push((pred.temperature, pred.top_p));
+        let processors = LogitsProcessorList::from_params(&combine(params, pred), SamplerOrder::HuggingFace).expect("processors");
+        let t = sampler.sample_with(&processors, &ProcessContext::new(prompt, &ids, eos), &mut l).expect("sample").token;
+        ids.push(t);
+    }
+    (ids, tp)
 }
 
 #[test]
@@ -52,18 +83,7 @@ fn engine_with_heads_is_batch_invariant_and_matches_offline_decoding() {
         .iter()
         .map(|p| tok.encode(p, true).expect("encode"))
         .collect();
-    // Offline reference with the same heads and seed (dense cache).
-    let offline = generate_batch(
-        &mut LlamaSession::new(&model),
-        Some(&heads),
-        &[SeqRequest { prompt: prompts[0].clone(), params: params(42) }],
-        tok.eos_token_ids(),
-        1,
-        SamplerOrder::HuggingFace,
-        &mut |_, _| false,
-    )
-    .expect("offline");
-    let (engine, join) = spawn_engine_with(model, tok.clone(), EngineConfig::default(), Some(heads)).expect("engine");
+    let (engine, join) = spawn_engine_with(model.clone(), tok.clone(), EngineConfig::default(), Some(heads.clone())).expect("engine");
     let (_, mut rx) = engine.submit(GenerateRequest::sample(prompts[0].clone(), params(42), 1)).expect("submit");
     let alone = collect(&mut rx);
     let mut rxs = Vec::new();
@@ -71,13 +91,14 @@ fn engine_with_heads_is_batch_invariant_and_matches_offline_decoding() {
         let seed = if i == 0 { 42 } else { 100 + i as u64 };
         rxs.push(engine.submit(GenerateRequest::sample(p.clone(), params(seed), 1)).expect("submit").1);
     }
-    let batched: Vec<Vec<u32>> = rxs.iter_mut().map(collect).collect();
-    let mut offline_tokens = offline[0].generation.tokens.clone();
-    if tok.eos_token_ids().contains(offline_tokens.last().expect("token")) {
-        offline_tokens.pop();
+    let batched: Vec<Sampled> = rxs.iter_mut().map(collect).collect();
+    assert_eq!(alone.0, batched[0].0, "same seed, alone vs in a batch of 4");
+    let (ids, tp) = replay(&model, &heads, &prompts[0], &alone.0, &params(42), tok.eos_token_ids());
+    assert_eq!(ids, alone.0, "engine vs independent replay of AutoDeco decoding");
+    assert_eq!(tp.len(), alone.1.len());
+    for (a, b) in tp.iter().zip(&alone.1) {
+        assert!((a.0 - b.0).abs() < 1e-3 && (a.1 - b.1).abs() < 1e-3, "predictions {a:?} vs {b:?}");
     }
-    assert_eq!(alone, batched[0], "same seed, alone vs in a batch of 4");
-    assert_eq!(alone, offline_tokens, "engine vs offline AutoDeco decoding");
     drop(engine);
     join.join().expect("engine thread");
 }

@@ -188,16 +188,7 @@ pub fn run(c: &Config) -> Result<Report, String> {
     std::fs::create_dir_all(&c.dir).map_err(|e| e.to_string())?;
     let mut replicas: Vec<(Child, SocketAddr)> = Vec::new();
     for r in 0..c.replicas {
-        let sc = soak::Config {
-            deco: c.deco.clone(),
-            model: c.model.clone(),
-            requests: 0,
-            clients: 0,
-            seed: 0,
-            kv_cache_mib: c.kv_cache_mib,
-            drain_streams: 0,
-            log: c.dir.join(format!("replica-{r}.log")),
-        };
+        let sc = soak::Config { log: c.dir.join(format!("replica-{r}.log")), ..soak::server_only(c.deco.clone(), c.model.clone(), &c.dir, c.kv_cache_mib) };
         replicas.push(soak::start_server(&sc)?);
     }
     let upstreams: Vec<SocketAddr> = replicas.iter().map(|(_, a)| *a).collect();

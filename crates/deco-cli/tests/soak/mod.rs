@@ -91,6 +91,8 @@ pub struct Config {
     pub drain_streams: usize,
     /// Where the server's stderr goes.
     pub log: PathBuf,
+    /// More `deco serve` arguments (e.g. speculative decoding settings).
+    pub extra_args: Vec<String>,
 }
 
 /// What happened to one request.
@@ -727,6 +729,7 @@ pub fn start_server(c: &Config) -> Result<(Child, SocketAddr), String> {
         .arg("--model")
         .arg(&c.model)
         .args(["--kv-cache-mib", &c.kv_cache_mib.to_string()])
+        .args(&c.extra_args)
         .stdout(Stdio::piped())
         .stderr(log)
         .spawn()
@@ -1017,7 +1020,7 @@ pub fn render(c: &Config, r: &Report) -> String {
 /// A configuration that only starts the server (no soak or drain requests): the `deco` binary
 /// `deco` on `model` with a `kv_cache_mib` pool, its log in `dir`.
 pub fn server_only(deco: PathBuf, model: PathBuf, dir: &Path, kv_cache_mib: usize) -> Config {
-    Config { deco, model, requests: 0, clients: 0, seed: 0, kv_cache_mib, drain_streams: 0, log: log_path(dir) }
+    Config { deco, model, requests: 0, clients: 0, seed: 0, kv_cache_mib, drain_streams: 0, log: log_path(dir), extra_args: Vec::new() }
 }
 
 /// Default path of the server log inside `dir`.
