@@ -426,6 +426,7 @@ pub fn run(o: &Options) -> Result<()> {
 
     // 4. Qwen2.5-Coder 1.5B target, 0.5B draft (and prompt lookup).
     let mut qwen_wall = 0.0;
+    let mut engine_md = String::new();
     if !o.skip_qwen {
         fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![fetch::What::Qwen] })?;
         let target = o.cache.join("models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
@@ -446,9 +447,11 @@ pub fn run(o: &Options) -> Result<()> {
         let (rows, wall) = run_spec(&r, "Qwen2.5-Coder-1.5B", "qwen15", &target, &qwen_prompts(), &configs, o.qwen_max_new_tokens, o.qwen_repeats)?;
         spec_rows.extend(rows);
         qwen_wall = wall;
+        engine_md = engine_spec(o, &target, &draft, g)?;
     }
 
-    let md = render(o, &spec_rows, smol_spec_wall, qwen_wall, &beam_rows, &ee_eval, &ee_gen, &results, t_start.elapsed().as_secs_f64());
+    let mut md = render(o, &spec_rows, smol_spec_wall, qwen_wall, &beam_rows, &ee_eval, &ee_gen, &results, t_start.elapsed().as_secs_f64());
+    md.push_str(&engine_md);
     let docs = util::workspace_root().join("docs");
     fs::create_dir_all(docs.join("decoding"))?;
     plot(&docs.join("decoding/decoding.svg"), &spec_rows, &beam_rows, &ee_eval)?;
@@ -463,6 +466,56 @@ pub fn run(o: &Options) -> Result<()> {
     fs::write(&path, new)?;
     println!("{md}");
     Ok(())
+}
+
+/// Speculative decoding on the serving engine with 1 and 8 concurrent requests (the
+/// `spec_bench` example of deco-serve): the markdown section of its results.
+fn engine_spec(o: &Options, target: &Path, draft: &Path, gamma: usize) -> Result<String> {
+    util::run(util::cargo().args(["build", "--release", "-p", "deco-serve", "--example", "spec_bench"])).context("cannot build the spec_bench example of deco-serve")?;
+    let bin = bench::target_dir()?.join("release/examples/spec_bench");
+    let mut cmd = Command::new(&bin);
+    cmd.arg("--target").arg(target).arg("--draft").arg(draft);
+    cmd.args(["--gamma", &gamma.to_string(), "--concurrency", "1,8", "--max-new-tokens", &o.qwen_max_new_tokens.to_string(), "--repeats", &o.qwen_repeats.to_string()]);
+    for p in qwen_prompts() {
+        cmd.args(["--prompt", p.text]);
+    }
+    eprintln!("bench decoding: engine speculative: {}", util::show(&cmd));
+    let t0 = Instant::now();
+    let out = cmd.stderr(Stdio::inherit()).output().with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("spec_bench failed ({})", out.status);
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let mut md = format!(
+        "\n### Speculative decoding on the serving engine, 1 and 8 concurrent requests\n\n\
+         Qwen2.5-Coder-1.5B-Instruct Q4_K_M, draft Qwen2.5-Coder-0.5B-Instruct Q4_K_M, γ = {gamma}, the {} code prompts of the table \
+         above in turn, {} new tokens each, T = 0, {} repeat(s) (median), {:.0} s in all. `spec_bench` (crates/deco-serve/examples) \
+         submits the requests at once to a fresh engine (the one `deco serve` and `deco generate` run); time = first submission to \
+         last token. Speedup = plain time / strategy time; decode speedup excludes the time until every request had its first token. \
+         \"= plain\": identical token ids.\n\n\
+         | requests | configuration | tokens | time (s) | tok/s | speedup | decode speedup | acceptance | = plain |\n|---|---|---|---|---|---|---|---|---|\n",
+        qwen_prompts().len(),
+        o.qwen_max_new_tokens,
+        o.qwen_repeats,
+        wall
+    );
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("spec_bench printed {line:?}"))?;
+        let num = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            v["concurrency"],
+            v["config"].as_str().unwrap_or("?"),
+            v["tokens"],
+            f(num("wall_s"), 1),
+            f(num("tok_s"), 2),
+            f(num("speedup"), 2),
+            f(num("decode_speedup"), 2),
+            f(num("acceptance"), 3),
+            if v["equals_plain"].as_bool() == Some(true) { "yes" } else { "**no**" },
+        ));
+    }
+    Ok(md)
 }
 
 fn f(x: f64, p: usize) -> String {

@@ -295,13 +295,17 @@ fn print_choices(choices: &[EngineChoice], what: &str) -> Result<()> {
     Ok(())
 }
 
-fn load_second(path: &std::path::Path, model: &Llama) -> Result<Llama> {
+/// The engine's second model: the model at `path` (sharing the vocabulary), or `model`'s first
+/// `layers` layers.
+fn second_model(path: Option<&std::path::Path>, layers: usize, model: &Llama) -> Result<DraftModel> {
+    let Some(path) = path else { return Ok(DraftModel { model: model.clone(), num_layers: layers }) };
     let ckpt = Checkpoint::open(path)?;
     let m = Llama::load(&ckpt, model.device(), None).with_context(|| format!("loading weights from {}", path.display()))?;
     if m.config.vocab_size != model.config.vocab_size {
         bail!("{} has vocabulary {}, the model has {}", path.display(), m.config.vocab_size, model.config.vocab_size);
     }
-    Ok(m)
+    let num_layers = m.num_layers();
+    Ok(DraftModel { model: m, num_layers })
 }
 
 /// Runs the command.
@@ -376,6 +380,13 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if prompt_ids.len() + 1 > model.max_context() {
         bail!("the prompt has {} tokens; the model's context is {}", prompt_ids.len(), model.max_context());
     }
+    // The second model (speculative draft or contrastive amateur) loads before the clock starts,
+    // as the served model does.
+    let second = match strategy {
+        Strategy::Speculative if !args.prompt_lookup => Some(second_model(args.draft_model.as_deref(), args.draft_layers, &model)?),
+        Strategy::Contrastive => Some(second_model(args.amateur_model.as_deref(), args.amateur_layers, &model)?),
+        _ => None,
+    };
     let t0 = Instant::now();
     let mut extra = String::new();
     let (num_tokens, first_at) = match strategy {
@@ -469,16 +480,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 bail!("contrastive decoding generates one sequence; drop -n");
             }
             let cd = ContrastiveDecodingParams { alpha: args.contrastive_alpha, amateur_temperature: args.amateur_temperature };
-            let amateur = match &args.amateur_model {
-                Some(path) => {
-                    let m = load_second(path, &model)?;
-                    let num_layers = m.num_layers();
-                    DraftModel { model: m, num_layers }
-                }
-                None => DraftModel { model: model.clone(), num_layers: args.amateur_layers },
-            };
             let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::ContrastiveDecoding(cd));
-            let options = EngineOptions { draft: Some(amateur), ..EngineOptions::default() };
+            let options = EngineOptions { draft: second, ..EngineOptions::default() };
             let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
             print_choices(&run.choices, "sample")?;
             (run.choices[0].tokens, run.first_text_at)
@@ -488,19 +491,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 bail!("speculative decoding generates one sequence; drop -n");
             }
             let gamma = args.num_speculative_tokens;
-            let (source, draft) = if args.prompt_lookup {
-                (DraftSource::PromptLookup(PromptLookupDrafter::default()), None)
-            } else {
-                let draft = match &args.draft_model {
-                    Some(path) => {
-                        let m = load_second(path, &model)?;
-                        let num_layers = m.num_layers();
-                        DraftModel { model: m, num_layers }
-                    }
-                    None => DraftModel { model: model.clone(), num_layers: args.draft_layers },
-                };
-                (DraftSource::Model, Some(draft))
-            };
+            let source = if args.prompt_lookup { DraftSource::PromptLookup(PromptLookupDrafter::default()) } else { DraftSource::Model };
+            let draft = second;
             let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::Speculative { num_speculative_tokens: gamma, source });
             let options = EngineOptions { draft, ..EngineOptions::default() };
             let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
