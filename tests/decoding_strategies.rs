@@ -70,7 +70,7 @@ fn speculative_on_engine(prompt: &[u32], params: &SamplingParams, gamma: usize, 
         Some(k) => (DraftSource::Model, Some(deco_serve::DraftModel { model: model().clone(), num_layers: k })),
         None => (DraftSource::PromptLookup(PromptLookupDrafter::default()), None),
     };
-    let strategy = deco_serve::Strategy::Speculative { num_speculative_tokens: gamma, source };
+    let strategy = deco_serve::Strategy::Speculative { num_speculative_tokens: gamma, source, schedule: DraftSchedule::Constant };
     let (mut out, c) = on_engine(prompt, params, 1, Some(strategy), draft);
     (out.remove(0).0, c)
 }

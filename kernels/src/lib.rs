@@ -5,7 +5,7 @@
 //! Fused CubeCL and CPU-SIMD implementations will replace individual functions behind the same
 //! signatures, checked against these compositions as the reference.
 //!
-//! [`quant`] holds CPU matmul kernels on packed GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K), used by the
+//! [`quant`] holds CPU matmul kernels on packed GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), used by the
 //! model for quantized checkpoints without an f32 copy of the weights.
 //!
 //! [`attention`] holds the fused CPU decode-attention kernel over a paged or contiguous KV

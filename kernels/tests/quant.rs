@@ -8,9 +8,10 @@ use proptest::prelude::*;
 mod common;
 use common::ggml_type;
 
-/// Packed blocks for `w`: ggml's quantizers for the 32-blocks; for Q4_K (no quantizer in
-/// deco-formats) raw blocks with every code, scale and min bit pseudo-random and `d`, `dmin`
-/// set from the magnitude of `w` (the reference then dequantizes these exact bytes).
+/// Packed blocks for `w`: ggml's quantizers for the 32-blocks; for Q4_K, Q5_0 and Q6_K (no
+/// quantizer in deco-formats) raw blocks with every code, scale and min bit pseudo-random and
+/// the block scales set from the magnitude of `w` (the reference then dequantizes these exact
+/// bytes with ggml's arithmetic).
 fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
     if let Some(q) = common::ggml_quantize(ty, w) {
         return q;
@@ -27,6 +28,23 @@ fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
                 out.extend(d.to_bits().to_le_bytes());
                 out.extend(dmin.to_bits().to_le_bytes());
                 out.extend(r[4..].iter().map(|v| (v.to_bits() >> 7) as u8));
+            }
+            out
+        }
+        BlockType::Q6_K => {
+            // Every ql / qh bit and scale pseudo-random (scales in −64..64, extremes included),
+            // d from the magnitude of `w`.
+            let amax = w.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
+            let bits = values(w.len() as u64 ^ 0x66, w.len() / 256 * 210, 1.0);
+            let mut out = Vec::with_capacity(w.len() / 256 * 210);
+            for (b, r) in bits.chunks_exact(210).enumerate() {
+                out.extend(r[..192].iter().map(|v| (v.to_bits() >> 7) as u8));
+                out.extend(r[192..208].iter().enumerate().map(|(j, v)| match (b + j) % 7 {
+                    0 => 0x80u8, // -128
+                    1 => 0x7F,
+                    _ => ((v.to_bits() >> 9) as u8 & 0x7F).wrapping_sub(64),
+                }));
+                out.extend(half::f16::from_f32(amax / (32.0 * 64.0)).to_bits().to_le_bytes());
             }
             out
         }
@@ -102,13 +120,13 @@ fn check(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64, isa: Isa)
     check_with(ty, rows, cols, n, seed, isa, false)
 }
 
-/// A row length of `blocks` 32-blocks, or 1..=3 super-blocks of 256 for Q4_K.
+/// A row length of `blocks` 32-blocks, or 1..=3 super-blocks of 256 for Q4_K and Q6_K.
 fn cols_for(ty: BlockType, blocks: usize) -> usize {
-    if ty == BlockType::Q4_K { (blocks % 3 + 1) * 256 } else { blocks * 32 }
+    if ty.block_len() == 256 { (blocks % 3 + 1) * 256 } else { blocks * 32 }
 }
 
 fn block_type() -> impl Strategy<Value = BlockType> {
-    prop_oneof![Just(BlockType::Q4_0), Just(BlockType::Q4_1), Just(BlockType::Q8_0), Just(BlockType::Q4_K), Just(BlockType::Q5_0)]
+    prop_oneof![Just(BlockType::Q4_0), Just(BlockType::Q4_1), Just(BlockType::Q8_0), Just(BlockType::Q4_K), Just(BlockType::Q5_0), Just(BlockType::Q6_K)]
 }
 
 proptest! {
@@ -149,8 +167,8 @@ fn model_shapes_match_reference() {
 
 #[test]
 fn dequantize_is_bit_identical_to_ggml() {
-    for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0, BlockType::Q4_K, BlockType::Q5_0] {
-        let (rows, cols) = (7, if ty == BlockType::Q4_K { 512 } else { 96 });
+    for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0, BlockType::Q4_K, BlockType::Q5_0, BlockType::Q6_K] {
+        let (rows, cols) = (7, if ty.block_len() == 256 { 512 } else { 96 });
         let packed = quantize(ty, &values(5, rows * cols, 1.0));
         let want = ggml::dequantize(ggml_type(ty), &packed, rows * cols).expect("dequantize");
         let m = PackedMatrix::new(ty, rows, cols, packed).expect("packed");

@@ -431,7 +431,7 @@ pub fn run(o: &Options) -> Result<()> {
         fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![fetch::What::Qwen] })?;
         let target = o.cache.join("models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
         let draft = o.cache.join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-        let g = 4usize;
+        let g = 3usize;
         let configs = vec![
             SpecConfig {
                 label: format!("draft05b-g{g}"),

@@ -128,9 +128,14 @@ pub struct GenerateArgs {
     /// Speculative decoding: draft by prompt lookup (n-gram match in the context) instead.
     #[arg(long)]
     prompt_lookup: bool,
-    /// Speculative decoding: tokens drafted per round (gamma).
+    /// Speculative decoding: tokens drafted per round (gamma; the initial gamma with the
+    /// heuristic schedule).
     #[arg(long, default_value_t = 5)]
     num_speculative_tokens: usize,
+    /// Speculative decoding: `constant` gamma, or `heuristic` (Hugging Face's
+    /// `num_assistant_tokens_schedule`: +2 after a fully accepted round, -1 after a rejection).
+    #[arg(long, default_value = "constant")]
+    num_assistant_tokens_schedule: String,
     /// Contrastive decoding: amateur model sharing the tokenizer.
     #[arg(long)]
     amateur_model: Option<PathBuf>,
@@ -493,7 +498,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             let gamma = args.num_speculative_tokens;
             let source = if args.prompt_lookup { DraftSource::PromptLookup(PromptLookupDrafter::default()) } else { DraftSource::Model };
             let draft = second;
-            let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::Speculative { num_speculative_tokens: gamma, source });
+            let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::Speculative { num_speculative_tokens: gamma, source, schedule: args.num_assistant_tokens_schedule.parse()? });
             let options = EngineOptions { draft, ..EngineOptions::default() };
             let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
             print_choices(&run.choices, "sample")?;

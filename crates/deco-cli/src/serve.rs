@@ -5,7 +5,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 use deco_formats::chat_template::ChatTemplate;
-use deco_generate::{DraftSource, PromptLookupDrafter};
+use deco_generate::{DraftSchedule, DraftSource, PromptLookupDrafter};
 use deco_serve::{DraftModel, EngineConfig, EngineOptions, SchedulerConfig, ServerState, Speculation};
 
 use crate::ModelArgs;
@@ -58,6 +58,10 @@ pub struct ServeArgs {
     /// Draft tokens per speculative round (vLLM's flag).
     #[arg(long, default_value_t = 5)]
     num_speculative_tokens: usize,
+    /// How the drafts per round evolve: `constant`, or `heuristic` (Hugging Face's
+    /// `num_assistant_tokens_schedule`: +2 after a fully accepted round, −1 after a rejection).
+    #[arg(long, default_value = "constant")]
+    num_assistant_tokens_schedule: String,
     /// Prompt lookup (`[ngram]`): longest n-gram matched (vLLM's flag).
     #[arg(long, default_value_t = 2)]
     ngram_prompt_lookup_max: usize,
@@ -137,7 +141,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         (Some(_), Some(_)) => anyhow::bail!("a speculative draft model and a contrastive-decoding amateur cannot both be loaded (the engine has one second model)"),
         (d, a) => d.or(a),
     };
-    let speculation = source.map(|source| Speculation { num_speculative_tokens: args.num_speculative_tokens, source });
+    let schedule: DraftSchedule = args.num_assistant_tokens_schedule.parse()?;
+    let speculation = source.map(|source| Speculation { num_speculative_tokens: args.num_speculative_tokens, source, schedule });
     let options = EngineOptions { autodeco: heads, draft, speculation };
     let (engine, join) = deco_serve::spawn_engine_opts(model, tokenizer.clone(), config, options)?;
     gate.set_ready(Arc::new(ServerState::new(engine, tokenizer, template, model_name.clone())))?;

@@ -32,6 +32,7 @@ pub use error::{GenerateError, Result};
 pub use lm::{CausalLm, FnLm, LlamaSession, PrefixFn, SeqId, StepRows};
 pub use sample::DEFAULT_MAX_NEW_TOKENS;
 pub use speculative::{
-    Draft, DraftSource, Processing, PromptLookupDrafter, Speculative, SpeculativeStats, accept_or_residual,
+    Draft, DraftSchedule, DraftSource, MAX_SPECULATIVE_TOKENS, Processing, PromptLookupDrafter, Speculative, SpeculativeStats,
+    accept_or_residual,
 };
 pub use step::{Choice, Local, Op, Role, SeqRows, Step, StepMachine};

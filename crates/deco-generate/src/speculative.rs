@@ -158,6 +158,31 @@ pub enum DraftSource {
     PromptLookup(PromptLookupDrafter),
 }
 
+/// How the number of drafts per round evolves (Hugging Face's `num_assistant_tokens_schedule`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DraftSchedule {
+    /// `num_speculative_tokens` every round (vLLM).
+    #[default]
+    Constant,
+    /// Hugging Face's `"heuristic"`: +2 after a round whose drafts were all accepted, −1 (not
+    /// below 1) after a rejection, so that γ follows how predictable the text is.
+    Heuristic,
+}
+
+impl std::str::FromStr for DraftSchedule {
+    type Err = GenerateError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "constant" => Ok(Self::Constant),
+            "heuristic" => Ok(Self::Heuristic),
+            _ => Err(invalid("num_assistant_tokens_schedule", "must be constant or heuristic", s)),
+        }
+    }
+}
+
+/// Upper bound of γ under [`DraftSchedule::Heuristic`].
+pub const MAX_SPECULATIVE_TOKENS: usize = 32;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Waiting for the prompt's row.
@@ -183,7 +208,7 @@ enum Phase {
 /// sequences are then truncated to the accepted prefix ([`Op::Truncate`],
 /// [`Op::DraftTruncate`]). The output follows the target's processed distribution exactly; for
 /// a greedy request it equals plain greedy decoding token for token. Accepted tokens are
-/// released as soon as a round ends.
+/// released as soon as a round ends. γ is constant, or follows [`DraftSchedule::Heuristic`].
 #[derive(Debug)]
 pub struct Speculative {
     prompt: Vec<u32>,
@@ -193,7 +218,9 @@ pub struct Speculative {
     rng: Sampler,
     draft_rng: Sampler,
     source: DraftSource,
+    /// γ of the next round.
     num_speculative_tokens: usize,
+    schedule: DraftSchedule,
     budget: usize,
     max_context: usize,
     /// Generated tokens; the last one is not yet computed by the target after a round.
@@ -228,6 +255,7 @@ impl Speculative {
             draft_rng: Sampler::from_processors(LogitsProcessorList::new(), false, seed.map(|s| s ^ 0x5eed_d4af), None)?,
             source,
             num_speculative_tokens,
+            schedule: DraftSchedule::Constant,
             budget: crate::sample::budget(max_context, prompt, params)?,
             max_context,
             output: Vec::new(),
@@ -237,6 +265,12 @@ impl Speculative {
             phase: Phase::Start,
             stats: SpeculativeStats::default(),
         })
+    }
+
+    /// The same decoding with γ following `schedule` from its initial value.
+    pub fn with_schedule(mut self, schedule: DraftSchedule) -> Self {
+        self.schedule = schedule;
+        self
     }
 
     /// Counters so far (rounds, drafted, accepted, target forwards including the prefill).
@@ -382,6 +416,13 @@ impl StepMachine for Speculative {
                 }
                 self.stats.drafted += drafts.len();
                 self.stats.accepted += accepted;
+                if self.schedule == DraftSchedule::Heuristic && !drafts.is_empty() {
+                    self.num_speculative_tokens = if accepted == drafts.len() {
+                        (self.num_speculative_tokens + 2).min(MAX_SPECULATIVE_TOKENS)
+                    } else {
+                        self.num_speculative_tokens.saturating_sub(1).max(1)
+                    };
+                }
                 step.accepted = accepted;
                 if let Some(reason) = finished {
                     return Ok(self.finish(new_tokens, reason, step));

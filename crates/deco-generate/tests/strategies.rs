@@ -299,6 +299,10 @@ fn speculative_greedy_equals_greedy() {
         drafted += stats.drafted;
         let (spec, _) = speculative(&mut target, None, &[1, 2, 3], &params, 3, &[6]).expect("lookup");
         assert_eq!(spec.tokens[0], plain, "lookup salt {salt}");
+        // Hugging Face's heuristic γ schedule changes the rounds, never the tokens.
+        let mut m = Speculative::new(&[1, 2, 3], &params, DraftSource::Model, 1, &[6], target.max_context()).expect("spec").with_schedule(DraftSchedule::Heuristic);
+        let d = drive(&mut m, &mut target, Some(&mut draft), &[1, 2, 3]).expect("heuristic");
+        assert_eq!(d.tokens[0], plain, "heuristic salt {salt}");
     }
     assert!(drafted > 0, "no draft token in any run");
 }

@@ -94,7 +94,7 @@ pub struct Llama {
 }
 
 /// Reads a linear weight of a GGUF checkpoint as packed blocks if its type has packed kernels
-/// (Q4_0, Q4_1, Q8_0, Q4_K, Q5_0), un-permuting llama.cpp's Q/K rows as `Checkpoint::tensor` does.
+/// (Q4_0, Q4_1, Q8_0, Q4_K, Q5_0, Q6_K), un-permuting llama.cpp's Q/K rows as `Checkpoint::tensor` does.
 fn gguf_packed(ckpt: &Checkpoint, hf_name: &str) -> Result<Option<PackedMatrix>> {
     let Some(g) = ckpt.gguf() else { return Ok(None) };
     let Some(gname) = hf_to_gguf_name(hf_name) else { return Ok(None) };
@@ -105,6 +105,7 @@ fn gguf_packed(ckpt: &Checkpoint, hf_name: &str) -> Result<Option<PackedMatrix>>
         GgmlType::Q8_0 => BlockType::Q8_0,
         GgmlType::Q4_K => BlockType::Q4_K,
         GgmlType::Q5_0 => BlockType::Q5_0,
+        GgmlType::Q6_K => BlockType::Q6_K,
         _ => return Ok(None),
     };
     let shape = info.shape();

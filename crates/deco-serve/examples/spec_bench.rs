@@ -5,11 +5,12 @@
 //! cargo run --release -p deco-serve --example spec_bench -- --target T.gguf [--draft D.gguf]
 //!     [--gamma 3] [--concurrency 1,8] [--max-new-tokens 96] [--repeats 3] [--prompt TEXT]...
 //! ```
-//! For each configuration (plain greedy decoding; the draft model with γ drafts; prompt lookup
-//! with γ) and each concurrency `c`, a fresh engine (the one `deco serve` and `deco generate`
-//! run) gets `c` greedy chat requests at once (the prompts in turn) and the wall time from the
-//! first submission to the last token is measured, `--repeats` times (median; the configurations
-//! interleaved in each repeat). Every configuration's texts must equal plain decoding's (T = 0).
+//! For each configuration (plain greedy decoding; the draft model with γ drafts, constant or
+//! with Hugging Face's heuristic schedule; prompt lookup likewise) and each concurrency `c`, a
+//! fresh engine (the one `deco serve` and `deco generate` run) gets `c` greedy chat requests at
+//! once (the prompts in turn; for `c = 1` each prompt alone, times summed) and the wall time
+//! from the first submission to the last token is measured, `--repeats` times (median; the
+//! configurations interleaved in each repeat). Every configuration's texts must equal plain decoding's (T = 0).
 //! Prints one JSON line per (configuration, concurrency): tokens, wall seconds (median),
 //! decode seconds (median of the wall time after the first token of every request arrived),
 //! speedups over plain decoding, acceptance rate.
@@ -23,7 +24,7 @@ use deco_formats::chat_template::{ChatMessage, ChatTemplate};
 use deco_formats::checkpoint::Checkpoint;
 use deco_formats::gguf::GgufFile;
 use deco_formats::tokenizer::Tokenizer;
-use deco_generate::{DraftSource, PromptLookupDrafter};
+use deco_generate::{DraftSchedule, DraftSource, PromptLookupDrafter};
 use deco_model::Llama;
 use deco_serve::{DraftModel, EngineConfig, EngineEvent, EngineOptions, GenerateRequest, SchedulerConfig, Strategy};
 
@@ -142,19 +143,35 @@ fn main() -> R<()> {
         .iter()
         .map(|p| -> R<Vec<u32>> { Ok(tok.encode(&template.render(&[ChatMessage::new("user", p.clone())], true, &bos, &eos)?, true)?) })
         .collect::<R<_>>()?;
-    let spec = |source| Some(Strategy::Speculative { num_speculative_tokens: gamma, source });
+    let spec = |source, schedule| Some(Strategy::Speculative { num_speculative_tokens: gamma, source, schedule });
+    let lookup = DraftSource::PromptLookup(PromptLookupDrafter::default());
     let mut configs: Vec<(String, Option<Strategy>)> = vec![("plain".into(), None)];
     if draft.is_some() {
-        configs.push((format!("draft model, γ={gamma}"), spec(DraftSource::Model)));
+        configs.push((format!("draft model, γ={gamma}"), spec(DraftSource::Model, DraftSchedule::Constant)));
+        configs.push((format!("draft model, γ from {gamma}, heuristic"), spec(DraftSource::Model, DraftSchedule::Heuristic)));
     }
-    configs.push((format!("prompt lookup (ngram 2), γ={gamma}"), spec(DraftSource::PromptLookup(PromptLookupDrafter::default()))));
+    configs.push((format!("prompt lookup (ngram 2), γ={gamma}"), spec(lookup, DraftSchedule::Constant)));
+    configs.push((format!("prompt lookup (ngram 2), γ from {gamma}, heuristic"), spec(lookup, DraftSchedule::Heuristic)));
     for &c in &conc {
-        let batch: Vec<Vec<u32>> = (0..c).map(|i| encoded[i % encoded.len()].clone()).collect();
+        // Concurrency 1: every prompt alone, one after the other (times and tokens summed);
+        // otherwise one batch of `c` requests, the prompts in turn.
+        let batches: Vec<Vec<Vec<u32>>> =
+            if c == 1 { encoded.iter().map(|p| vec![p.clone()]).collect() } else { vec![(0..c).map(|i| encoded[i % encoded.len()].clone()).collect()] };
         let mut runs: Vec<Vec<Run>> = (0..configs.len()).map(|_| Vec::new()).collect();
         for _ in 0..repeats {
             for (ci, (_, strategy)) in configs.iter().enumerate() {
                 let d = if matches!(strategy, Some(Strategy::Speculative { source: DraftSource::Model, .. })) { draft.as_ref() } else { None };
-                runs[ci].push(run_batch(&model, &tok, d, *strategy, &batch, max_new)?);
+                let mut total = Run { wall_s: 0.0, decode_s: 0.0, tokens: 0, texts: Vec::new(), drafted: 0, accepted: 0 };
+                for batch in &batches {
+                    let r = run_batch(&model, &tok, d, *strategy, batch, max_new)?;
+                    total.wall_s += r.wall_s;
+                    total.decode_s += r.decode_s;
+                    total.tokens += r.tokens;
+                    total.texts.extend(r.texts);
+                    total.drafted += r.drafted;
+                    total.accepted += r.accepted;
+                }
+                runs[ci].push(total);
             }
         }
         let plain_wall = median(runs[0].iter().map(|r| r.wall_s).collect());

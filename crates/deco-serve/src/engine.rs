@@ -36,8 +36,8 @@ use deco_model::{Llama, SeqId, SeqInput};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use deco_generate::{
-    BeamSearch, BeamSearchParams, ContrastiveDecoding, ContrastiveDecodingParams, ContrastiveSearch, DraftSource, Local, Op, Role, SeqRows, Speculative,
-    StepMachine,
+    BeamSearch, BeamSearchParams, ContrastiveDecoding, ContrastiveDecodingParams, ContrastiveSearch, DraftSchedule, DraftSource, Local, Op, Role, SeqRows,
+    Speculative, StepMachine,
 };
 
 use crate::paged_cache::{CacheShape, PagedKvCache};
@@ -145,10 +145,12 @@ pub enum Strategy {
     /// Speculative decoding ([`Speculative`]) with `num_speculative_tokens` drafts per round from
     /// `source` ([`DraftSource::Model`] needs the engine's draft model, see [`EngineOptions`]).
     Speculative {
-        /// Draft tokens per round (γ).
+        /// Draft tokens per round (γ; the initial γ under a heuristic schedule).
         num_speculative_tokens: usize,
         /// Where drafts come from.
         source: DraftSource,
+        /// How γ evolves.
+        schedule: DraftSchedule,
     },
 }
 
@@ -174,6 +176,8 @@ pub struct Speculation {
     pub num_speculative_tokens: usize,
     /// Where drafts come from.
     pub source: DraftSource,
+    /// How γ evolves.
+    pub schedule: DraftSchedule,
 }
 
 /// Optional parts of an engine.
@@ -590,7 +594,7 @@ impl EngineHandle {
         let speculate = self.speculation.filter(|_| {
             req.n == 1 && req.constraint.is_none() && req.params.logprobs.is_none() && !req.uses_heads(self.has_autodeco)
         });
-        let strategy = req.strategy.or(speculate.map(|s| Strategy::Speculative { num_speculative_tokens: s.num_speculative_tokens, source: s.source }));
+        let strategy = req.strategy.or(speculate.map(|s| Strategy::Speculative { num_speculative_tokens: s.num_speculative_tokens, source: s.source, schedule: s.schedule }));
         let Some(strategy) = strategy else { return Ok(None) };
         if req.constraint.is_some() {
             return Err(Error::InvalidRequest("structured output (response_format, guided_*, tools) works with sampling only, not with another decoding strategy".into()));
@@ -641,7 +645,7 @@ impl EngineHandle {
                     .map_err(|e| Error::InvalidRequest(e.to_string()))?;
                 Ok(Some(Box::new(m)))
             }
-            Strategy::Speculative { num_speculative_tokens, source } => {
+            Strategy::Speculative { num_speculative_tokens, source, schedule } => {
                 if req.n != 1 {
                     return Err(Error::InvalidRequest("speculative decoding runs one choice per request (n = 1)".into()));
                 }
@@ -649,7 +653,8 @@ impl EngineHandle {
                     return Err(Error::InvalidRequest("speculative decoding with a draft model needs an engine started with one".into()));
                 }
                 let m = Speculative::new(&req.prompt, &req.params, source, num_speculative_tokens, &self.eos, self.max_context)
-                    .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+                    .map_err(|e| Error::InvalidRequest(e.to_string()))?
+                    .with_schedule(schedule);
                 Ok(Some(Box::new(m)))
             }
         }

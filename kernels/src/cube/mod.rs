@@ -445,7 +445,7 @@ impl CubePackedMatrix {
     /// another device, or more than `65535 · 4` rows or tokens (the cube-count limit).
     pub fn matmul(&self, x: Tensor<2>) -> Result<Tensor<2>> {
         let [n, c] = x.dims();
-        if matches!(self.ty, BlockType::Q4_K | BlockType::Q5_0) {
+        if matches!(self.ty, BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K) {
             return Err(Error::Unsupported(format!("quant matmul: no CubeCL kernel for {:?} blocks yet", self.ty)));
         }
         if c != self.cols {

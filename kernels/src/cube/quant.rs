@@ -41,7 +41,7 @@ fn type_code(ty: BlockType) -> u32 {
         BlockType::Q4_1 => Q4_1,
         BlockType::Q8_0 => Q8_0,
         // Refused by `CubePackedMatrix::matmul` before any launch.
-        BlockType::Q4_K | BlockType::Q5_0 => u32::MAX,
+        BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K => u32::MAX,
     }
 }
 

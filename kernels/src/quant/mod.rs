@@ -86,6 +86,10 @@ fn widen<const R: usize, const T: usize>(o: [[f32; T]; R]) -> [[f32; TILE_T]; TI
 ///   scales and mins, `get_scale_min_k4`), `qs: [u8; 128]`; sub-block `k` (32 weights) is
 ///   `d·sc_k · q − dmin·m_k`, its codes the low (even `k`) or high (odd `k`) nibbles of
 ///   `qs[32·(k/2) ..][..32]`. The kernels treat it as eight 32-weight sub-blocks.
+/// - `Q6_K` (256 weights, 210 bytes): `ql: [u8; 128]` (low 4 bits), `qh: [u8; 64]` (high 2
+///   bits), `scales: [i8; 16]`, `d: f16`; weight `i` is `d · scales[i / 16] · (q_i − 32)` with
+///   ggml's interleaving (`dequantize_row_q6_K`, see [`q6k_code`]). The kernels treat it as
+///   eight 32-weight sub-blocks with two scales each.
 #[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BlockType {
@@ -99,6 +103,8 @@ pub enum BlockType {
     Q4_K,
     /// `block_q5_0`.
     Q5_0,
+    /// `block_q6_K` (super-blocks of 256 weights).
+    Q6_K,
 }
 
 impl BlockType {
@@ -110,22 +116,50 @@ impl BlockType {
             Self::Q8_0 => 34,
             Self::Q4_K => 144,
             Self::Q5_0 => 22,
+            Self::Q6_K => 210,
         }
     }
 
-    /// Whether the AVX2 kernels (`x86.rs`) handle this type; Q4_K and Q5_0 have scalar and
-    /// AVX-512 kernels only.
+    /// Whether the AVX2 kernels (`x86.rs`) handle this type; Q4_K, Q5_0 and Q6_K have scalar
+    /// and AVX-512 kernels only.
     const fn has_avx2_kernels(self) -> bool {
-        !matches!(self, Self::Q4_K | Self::Q5_0)
+        !matches!(self, Self::Q4_K | Self::Q5_0 | Self::Q6_K)
     }
 
-    /// Weights per block: 32, or 256 for `Q4_K`. A row length must be a multiple of it.
+    /// Weights per block: 32, or 256 for the k-quants `Q4_K` and `Q6_K`. A row length must be
+    /// a multiple of it.
     pub const fn block_len(self) -> usize {
         match self {
-            Self::Q4_K => 256,
+            Self::Q4_K | Self::Q6_K => 256,
             _ => BLOCK,
         }
     }
+}
+
+/// Byte offsets of the fields of a `Q6_K` block.
+pub(crate) const Q6K_QH: usize = 128;
+pub(crate) const Q6K_SCALES: usize = 192;
+pub(crate) const Q6K_D: usize = 208;
+
+/// The 6-bit code (0..64, before the `− 32`) of weight `l` (0..32) of 32-weight sub-block `k`
+/// (0..8) of a Q6_K block, as ggml's `dequantize_row_q6_K`: in half `h = k / 4`, group
+/// `g = k % 4` takes the low (`g < 2`) or high nibble of `ql[64h + 32(g % 2) + l]` and bits
+/// `2g, 2g + 1` of `qh[32h + l]`. Its scale is `scales[8h + 2g + l / 16]`.
+#[inline]
+pub(crate) fn q6k_code(blk: &[u8], k: usize, l: usize) -> u8 {
+    let (h, g) = (k / 4, k % 4);
+    let lo = (blk[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF;
+    let hi = (blk[Q6K_QH + 32 * h + l] >> (2 * g)) & 3;
+    lo | (hi << 4)
+}
+
+/// The two scales of sub-block `k` of a Q6_K block (weights 0..16 and 16..32), `d` included.
+#[inline]
+pub(crate) fn q6k_scales(blk: &[u8], k: usize) -> (f32, f32) {
+    let d = f16_at(blk, Q6K_D);
+    let (h, g) = (k / 4, k % 4);
+    let s = &blk[Q6K_SCALES + 8 * h + 2 * g..];
+    (d * f32::from(s[0] as i8), d * f32::from(s[1] as i8))
 }
 
 /// Scale and min of sub-block `j` (0..8) of a Q4_K block, 6 bits each (ggml's
@@ -355,7 +389,7 @@ impl PackedMatrix {
     ///
     /// # Errors
     /// [`Error::RaggedRow`] if `cols` is not a multiple of the block length (32, or 256 for
-    /// Q4_K), [`Error::Length`] for a wrong byte count.
+    /// Q4_K and Q6_K), [`Error::Length`] for a wrong byte count.
     pub fn new(ty: BlockType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self> {
         if !cols.is_multiple_of(ty.block_len()) {
             return Err(Error::RaggedRow { ty, cols, block: ty.block_len() });

@@ -1,6 +1,6 @@
 //! Portable scalar kernels (reference order of operations; any CPU).
 
-use super::{BLOCK, BlockType, f16_at, q4k_scale_min};
+use super::{BLOCK, BlockType, f16_at, q4k_scale_min, q6k_code, q6k_scales};
 
 /// The 32 weights of sub-block `k` (0..8) of the Q4_K block `blk` (ggml's
 /// `dequantize_row_q4_K`: `d·sc · q − dmin·m`).
@@ -15,16 +15,31 @@ fn q4k_sub(blk: &[u8], k: usize, out: &mut [f32]) {
     }
 }
 
+/// The 32 weights of sub-block `k` (0..8) of the Q6_K block `blk` (ggml's
+/// `dequantize_row_q6_K`: `d·sc · (q − 32)`).
+fn q6k_sub(blk: &[u8], k: usize, out: &mut [f32]) {
+    let (s0, s1) = q6k_scales(blk, k);
+    for (l, o) in out.iter_mut().enumerate() {
+        let q = f32::from(q6k_code(blk, k, l)) - 32.0;
+        *o = if l < 16 { s0 } else { s1 } * q;
+    }
+}
+
+/// The 32 weights of sub-block `k` of a 256-weight k-quant block.
+fn k_sub(ty: BlockType, blk: &[u8], k: usize, out: &mut [f32]) {
+    if ty == BlockType::Q6_K { q6k_sub(blk, k, out) } else { q4k_sub(blk, k, out) }
+}
+
 /// Dot product of one packed row with f32 activations `x` (`row` holds `x.len() / 32` blocks);
 /// `xsum[b]` is `Σ x[32b .. 32b + 32]` (used by Q4_1 only).
 pub(super) fn dot(ty: BlockType, row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
     let bb = ty.block_bytes();
     let mut acc = 0.0f32;
-    if ty == BlockType::Q4_K {
+    if ty.block_len() == 256 {
         let mut w = [0.0f32; 32];
         for (blk, xb) in row.chunks_exact(bb).zip(x.chunks_exact(256)) {
             for (k, xs) in xb.chunks_exact(32).enumerate() {
-                q4k_sub(blk, k, &mut w);
+                k_sub(ty, blk, k, &mut w);
                 acc += w.iter().zip(xs).map(|(a, b)| a * b).sum::<f32>();
             }
         }
@@ -65,7 +80,7 @@ pub(super) fn dot(ty: BlockType, row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
                 }
                 acc += d * s;
             }
-            BlockType::Q4_K => unreachable!("handled above"),
+            BlockType::Q4_K | BlockType::Q6_K => unreachable!("handled above"),
         }
     }
     acc
@@ -74,10 +89,10 @@ pub(super) fn dot(ty: BlockType, row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
 /// Dequantizes one packed row into `out` (`dequantize_row_*` of ggml-quants.c).
 pub(super) fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
     let bb = ty.block_bytes();
-    if ty == BlockType::Q4_K {
+    if ty.block_len() == 256 {
         for (blk, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(256)) {
             for (k, ok) in o.chunks_exact_mut(32).enumerate() {
-                q4k_sub(blk, k, ok);
+                k_sub(ty, blk, k, ok);
             }
         }
         return;
@@ -112,7 +127,7 @@ pub(super) fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
                     o[j + 16] = hi as f32 * d;
                 }
             }
-            BlockType::Q4_K => unreachable!("handled above"),
+            BlockType::Q4_K | BlockType::Q6_K => unreachable!("handled above"),
         }
     }
 }

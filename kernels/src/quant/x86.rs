@@ -40,7 +40,7 @@ unsafe fn block_q(ty: BlockType, blk: *const u8) -> [__m256; 4] {
                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(24) as *const __m128i))),
                 ]
             }
-            BlockType::Q4_K | BlockType::Q5_0 => unreachable!("Q4_K / Q5_0 run the scalar or AVX-512 kernels"),
+            BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K => unreachable!("Q4_K / Q5_0 / Q6_K run the scalar or AVX-512 kernels"),
             BlockType::Q4_0 | BlockType::Q4_1 => {
                 let off = if ty == BlockType::Q4_0 { 2 } else { 4 };
                 let qv = _mm_loadu_si128(blk.add(off) as *const __m128i);
@@ -141,7 +141,7 @@ pub(super) unsafe fn dot_multi<const T: usize>(
             BlockType::Q4_0 => dot_t::<0, T>(rp, nb, x, stride, xsum),
             BlockType::Q4_1 => dot_t::<1, T>(rp, nb, x, stride, xsum),
             BlockType::Q8_0 => dot_t::<2, T>(rp, nb, x, stride, xsum),
-            BlockType::Q4_K | BlockType::Q5_0 => unreachable!("Q4_K / Q5_0 run the scalar or AVX-512 kernels"),
+            BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K => unreachable!("Q4_K / Q5_0 / Q6_K run the scalar or AVX-512 kernels"),
         }
     }
 }

@@ -78,15 +78,56 @@ unsafe fn block_w<const TY: u8>(blk: *const u8) -> (__m512, __m512) {
 }
 
 /// The block type of the const parameter `TY` of the kernels below (0 = Q4_0, 1 = Q4_1,
-/// 2 = Q8_0, 3 = Q4_K, 4 = Q5_0).
+/// 2 = Q8_0, 3 = Q4_K, 4 = Q5_0, 5 = Q6_K).
 const fn block_type<const TY: u8>() -> BlockType {
     match TY {
         0 => BlockType::Q4_0,
         1 => BlockType::Q4_1,
         2 => BlockType::Q8_0,
         3 => BlockType::Q4_K,
-        _ => BlockType::Q5_0,
+        4 => BlockType::Q5_0,
+        _ => BlockType::Q6_K,
     }
+}
+
+/// Sub-block `k` (0..8) of the Q6_K block at `blk`: its 32 signed codes `q − 32` (one per byte,
+/// in weight order) and the scales `d·sc` of its weights 0..16 and 16..32 (see
+/// [`super::q6k_code`] for the bit layout).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q6k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f32) {
+    // SAFETY (all loads): the caller guarantees a whole 210-byte block at `blk` and k < 8.
+    unsafe {
+        let (h, g) = (k / 4, k % 4);
+        let ql = _mm256_loadu_si256(blk.add(64 * h + 32 * (g % 2)) as *const __m256i);
+        let ql = if g < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+        let lo = _mm256_and_si256(ql, _mm256_set1_epi8(0x0F));
+        let qh = _mm256_loadu_si256(blk.add(super::Q6K_QH + 32 * h) as *const __m256i);
+        // Bits 2g, 2g + 1 of every byte moved to bits 4, 5 (16-bit shifts, then a byte mask).
+        let hi = match g {
+            0 => _mm256_slli_epi16(qh, 4),
+            1 => _mm256_slli_epi16(qh, 2),
+            2 => qh,
+            _ => _mm256_srli_epi16(qh, 2),
+        };
+        let hi = _mm256_and_si256(hi, _mm256_set1_epi8(0x30));
+        let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+        let d = f16_at(blk.add(super::Q6K_D));
+        let s = blk.add(super::Q6K_SCALES + 8 * h + 2 * g) as *const i8;
+        (q, d * f32::from(*s), d * f32::from(*s.add(1)))
+    }
+}
+
+/// The 32 dequantized weights of sub-block `k` (0..8) of the Q6_K block at `blk`:
+/// `d·sc · (q − 32)` (weights 0..16 and 16..32, each half with its own scale).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn block_w_q6k(blk: *const u8, k: usize) -> (__m512, __m512) {
+    // SAFETY: forwarded from the caller.
+    let (q, s0, s1) = unsafe { q6k_sub_codes(blk, k) };
+    let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    (_mm512_mul_ps(q0, _mm512_set1_ps(s0)), _mm512_mul_ps(q1, _mm512_set1_ps(s1)))
 }
 
 /// Sub-block `k` (0..8) of the Q4_K block at `blk`: its 32 unsigned 4-bit codes (one per byte,
@@ -147,11 +188,11 @@ unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
         unsafe {
             let mut w = [(_mm512_setzero_ps(), _mm512_setzero_ps()); R];
             for (i, wi) in w.iter_mut().enumerate() {
-                // `b` counts 32-weight (sub-)blocks; a Q4_K block holds eight.
-                *wi = if TY == 3 {
-                    block_w_q4k(rows.add(i * row_bytes + (b / 8) * bb), b % 8)
-                } else {
-                    block_w::<TY>(rows.add(i * row_bytes + b * bb))
+                // `b` counts 32-weight (sub-)blocks; a Q4_K / Q6_K block holds eight.
+                *wi = match TY {
+                    3 => block_w_q4k(rows.add(i * row_bytes + (b / 8) * bb), b % 8),
+                    5 => block_w_q6k(rows.add(i * row_bytes + (b / 8) * bb), b % 8),
+                    _ => block_w::<TY>(rows.add(i * row_bytes + b * bb)),
                 };
             }
             for k in 0..T {
@@ -206,6 +247,7 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
             BlockType::Q8_0 => tile_t::<2, R, T>(rows, row_bytes, nb, x, stride),
             BlockType::Q4_K => tile_t::<3, R, T>(rows, row_bytes, nb, x, stride),
             BlockType::Q5_0 => tile_t::<4, R, T>(rows, row_bytes, nb, x, stride),
+            BlockType::Q6_K => tile_t::<5, R, T>(rows, row_bytes, nb, x, stride),
         }
     }
 }
@@ -220,7 +262,9 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
 /// - Q4_0: `Σ_b d_b·dx_b·Σ |q−8|·(sign(q−8)·qx)` (integer-exact, as Q8_0);
 /// - Q8_0: `Σ_b d_b·dx_b·Σ |w|·(sign(w)·qx)` (the `vpsignb` trick: exact integer products);
 /// - Q4_K: per 32-weight sub-block as Q4_1 with scale `d·sc_k` and minimum `−dmin·m_k`;
-/// - Q5_0: signed codes `q − 16` through the `vpsignb` path, as Q4_0.
+/// - Q5_0: signed codes `q − 16` through the `vpsignb` path, as Q4_0;
+/// - Q6_K: per 32-weight sub-block, signed codes `q − 32` through the `vpsignb` path, the
+///   integer lanes of weights 0..16 and 16..32 scaled by their own `d·sc`.
 ///
 /// The per-block integer sums stay in 8 lanes (no horizontal sum per block); for every (row,
 /// token) the float operations are the same whatever `R` and `T` are (batch invariance).
@@ -254,7 +298,13 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
             let mut wq = [_mm256_setzero_si256(); R];
             let mut dw = [0.0f32; R];
             let mut cw = [0.0f32; R];
+            // Q6_K: the second scale (weights 16..32, integer lanes 4..8).
+            let mut dw_hi = [0.0f32; R];
             for i in 0..R {
+                if TY == 5 {
+                    (wq[i], dw[i], dw_hi[i]) = q6k_sub_codes(rows.add(i * row_bytes + (b / 8) * bb), b % 8);
+                    continue;
+                }
                 if TY == 3 {
                     // Q4_K: sub-block b % 8 of block b / 8, unsigned codes, `d·sc` and `−dmin·m`.
                     (wq[i], dw[i], cw[i]) = q4k_sub_codes(rows.add(i * row_bytes + (b / 8) * bb), b % 8);
@@ -292,12 +342,18 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
                 let dx = *xd.add(k * nb + b);
                 let sx = *xs.add(k * nb + b);
                 for i in 0..R {
-                    let s = if TY == 0 || TY == 2 || TY == 4 {
+                    let s = if TY == 0 || TY == 2 || TY == 4 || TY == 5 {
                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i]))
                     } else {
                         _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[i], xv)
                     };
-                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw[i] * dx), acc[i][k]);
+                    // Integer lanes 0..4 hold weights 0..16, lanes 4..8 weights 16..32.
+                    let scale = if TY == 5 {
+                        _mm256_set_m128(_mm_set1_ps(dw_hi[i] * dx), _mm_set1_ps(dw[i] * dx))
+                    } else {
+                        _mm256_set1_ps(dw[i] * dx)
+                    };
+                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i][k]);
                     if TY == 1 || TY == 3 {
                         corr[i][k] += cw[i] * sx;
                     }
@@ -338,6 +394,7 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
             BlockType::Q8_0 => q8_tile_t::<2, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
             BlockType::Q4_K => q8_tile_t::<3, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
             BlockType::Q5_0 => q8_tile_t::<4, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            BlockType::Q6_K => q8_tile_t::<5, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
         }
     }
 }

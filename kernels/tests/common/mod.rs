@@ -12,17 +12,18 @@ pub fn ggml_type(ty: BlockType) -> GgmlType {
         BlockType::Q8_0 => GgmlType::Q8_0,
         BlockType::Q4_K => GgmlType::Q4_K,
         BlockType::Q5_0 => GgmlType::Q5_0,
+        BlockType::Q6_K => GgmlType::Q6_K,
     }
 }
 
 /// `w` quantized by ggml's reference quantizer of `ty`, or `None` for the types deco-formats
-/// has no quantizer for (Q4_K, Q5_0).
+/// has no quantizer for (Q4_K, Q5_0, Q6_K).
 pub fn ggml_quantize(ty: BlockType, w: &[f32]) -> Option<Vec<u8>> {
     let q = match ty {
         BlockType::Q4_0 => ggml::quantize_q4_0(w),
         BlockType::Q4_1 => ggml::quantize_q4_1(w),
         BlockType::Q8_0 => ggml::quantize_q8_0(w),
-        BlockType::Q4_K | BlockType::Q5_0 => return None,
+        BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K => return None,
     };
     Some(q.expect("ggml quantizer"))
 }
