@@ -534,7 +534,7 @@ fn render(o: &Options, spec: &[SpecRow], smol_wall: f64, qwen_wall: f64, beam: &
     );
     md.push_str(&format!(
         "### Speculative decoding\n\nSmolLM2-135M-Instruct Q4_1: max_new_tokens {}, {} repeats ({:.0} s of processes). \
-         Qwen2.5-Coder-1.5B-Instruct Q4_K_M target (dequantized to f32): max_new_tokens {}, {} repeat(s) \
+         Qwen2.5-Coder-1.5B-Instruct Q4_K_M target (packed Q4_K / Q6_K kernels), draft Qwen2.5-Coder-0.5B-Instruct Q4_K_M: max_new_tokens {}, {} repeat(s) \
          ({:.0} s of processes, model loading included).\n\n",
         o.max_new_tokens, o.repeats, smol_wall, o.qwen_max_new_tokens, o.qwen_repeats, qwen_wall
     ));

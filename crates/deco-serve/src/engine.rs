@@ -13,13 +13,21 @@
 //! ([`PagedKvCache::fork`], copy-on-write) into `n` sequences, each with its own sampler (seed
 //! `seed + i` when the request is seeded).
 //!
-//! Strategies other than sampling ([`Strategy`]: beam search, ...) are
-//! [`deco_generate::StepMachine`]s. Their sequences are ordinary scheduler and cache sequences:
-//! the prompt's is prefilled as above; the machine's forks, feeds and removals
-//! ([`deco_generate::Op`]) become cache forks, scheduled tokens and freed blocks, so a beam
-//! group runs in the same batched forward as every other request, shares its prompt blocks
-//! copy-on-write, and can be preempted and recomputed. The engine advances a machine once every
-//! sequence it fed is computed (a barrier per request step) and streams the choices it releases.
+//! This is the one decode loop of deco: `deco generate`, `deco serve` and `deco autodeco eval`
+//! run on it. Sampling (with AutoDeco heads when the engine has them and the request wants them)
+//! and early exit (its decode tokens run [`Llama::forward_early_exit`] one sequence at a time)
+//! are the per-token path above. The other strategies ([`Strategy`]: beam search, speculative
+//! decoding, contrastive search and decoding) are [`deco_generate::StepMachine`]s. Their
+//! sequences are ordinary scheduler and cache sequences: the prompt's is prefilled as above;
+//! the machine's forks, feeds, truncations and removals ([`deco_generate::Op`]) become cache
+//! forks, scheduled tokens (each fed sequence asks for its own number of logits rows,
+//! [`Llama::forward_rows`]), cut-back sequences and freed blocks, so a beam group or a
+//! speculative verify chunk runs in the same batched forward as every other request, shares its
+//! prompt blocks copy-on-write, and can be preempted and recomputed. The engine's second model
+//! ([`DraftModel`], its own paged cache) runs the machines' draft feeds at the start of each step,
+//! one batched forward per drafting round. A machine is advanced once every sequence it fed has
+//! its rows (a barrier per request step); the choices it releases are detokenized and stop
+//! strings applied as for sampling.
 
 use std::collections::HashMap;
 use std::sync::Arc;
