@@ -201,17 +201,6 @@ fn quantize(ty: BlockType, w: &[f32]) -> Vec<u8> {
     common::ggml_quantize(ty, w).expect("TYPES holds only types with a ggml quantizer")
 }
 
-/// Q4_K matrices (CPU kernels only) are refused with an error, not launched.
-#[test]
-fn quant_matmul_refuses_q4_k() {
-    let m = PackedMatrix::new(BlockType::Q4_K, 2, 256, vec![0u8; 2 * 144]).expect("packed");
-    for (name, dev) in devices() {
-        let w = cube::CubePackedMatrix::upload(&m, &dev);
-        let x = Tensor::<2>::from_data(TensorData::new(vec![0.0f32; 256], [1, 256]), &dev);
-        assert!(w.matmul(x).is_err(), "{name}");
-    }
-}
-
 /// Checks the packed matmul on every device against the f64 product of the weights as ggml's
 /// scalar `dequantize_row_*` (deco-formats) decodes them, with `|y − ref| ≤ 1e-5 · Σ|w x| + 1e-6`;
 /// on wgpu also against the CPU kernel `PackedMatrix::matmul` with the same bound.
@@ -278,27 +267,40 @@ proptest! {
     }
 }
 
-/// Raw random blocks: every byte random except the f16 scale / min, drawn from all finite f16
-/// values (zeros, subnormals, negatives, up to ±65504) to exercise the in-kernel f16 decoding.
+/// Every packed type, with ggml's quantizer where deco-formats has one.
+const ALL_TYPES: [BlockType; 6] = [BlockType::Q8_0, BlockType::Q4_0, BlockType::Q4_1, BlockType::Q5_0, BlockType::Q4_K, BlockType::Q6_K];
+
+/// Byte offsets of the f16 fields (scale, and min where there is one) in a block of `ty`.
+fn f16_fields(ty: BlockType) -> &'static [usize] {
+    match ty {
+        BlockType::Q4_1 | BlockType::Q4_K => &[0, 2],
+        BlockType::Q6_K => &[208],
+        BlockType::Q4_0 | BlockType::Q5_0 | BlockType::Q8_0 => &[0],
+    }
+}
+
+/// Raw random blocks: every byte random (quants, Q5_0's high bits, the k-quants' packed 6-bit
+/// and int8 sub-block scales) except the f16 scales / mins, drawn from all finite f16 values
+/// (zeros, subnormals, negatives, up to ±65504) to exercise the in-kernel f16 decoding. Rows of
+/// 1 to 18 blocks (up to 4608 weights for the 256-weight k-quant super-blocks).
 #[test]
 fn quant_matmul_raw_blocks() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
-    for ty in TYPES {
+    for ty in ALL_TYPES {
         for (rows, blocks, n) in [(1, 1, 1), (5, 3, 2), (9, 18, 5), (33, 7, 9)] {
-            let cols = blocks * 32;
+            let cols = blocks * ty.block_len();
             let bb = ty.block_bytes();
             let mut bytes = vec![0u8; rows * blocks * bb];
             rng.fill(&mut bytes[..]);
             for blk in bytes.chunks_exact_mut(bb) {
-                let heads = if ty == BlockType::Q4_1 { 2 } else { 1 };
-                for h in 0..heads {
+                for &at in f16_fields(ty) {
                     let bits: u16 = loop {
                         let b: u16 = if rng.random_bool(0.2) { rng.random_range(0..0x0400) } else { rng.random() };
                         if (b >> 10) & 31 != 31 {
                             break b; // finite
                         }
                     };
-                    blk[2 * h..2 * h + 2].copy_from_slice(&bits.to_le_bytes());
+                    blk[at..at + 2].copy_from_slice(&bits.to_le_bytes());
                 }
             }
             check_quant(ty, bytes, rows, cols, n, rows as u64);

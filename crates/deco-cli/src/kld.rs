@@ -29,6 +29,10 @@ pub struct KldArgs {
     /// The reference (base) model: GGUF file or Hugging Face directory.
     #[arg(long)]
     reference: PathBuf,
+    /// Device of the reference model (default: `--device`). `--reference M --reference-device
+    /// flex` with `--model M --device cuda` checks a GPU path against the CPU on the same model.
+    #[arg(long)]
+    reference_device: Option<String>,
     /// UTF-8 text file to score.
     #[arg(long)]
     text: PathBuf,
@@ -77,12 +81,16 @@ pub fn run(args: &KldArgs) -> Result<()> {
         None => text,
     };
     let device = crate::runtime::device(&args.model)?;
-    let load = |p: &std::path::Path| -> Result<Llama> {
-        let ck = Checkpoint::open(p)?;
-        Ok(Llama::load(&ck, &device, None)?)
+    let ref_device = match &args.reference_device {
+        Some(name) => deco_kernels::select_device(name).with_context(|| format!("--reference-device {name}"))?,
+        None => device.clone(),
     };
-    let reference = load(&args.reference)?;
-    let model = load(&args.model.model)?;
+    let load = |p: &std::path::Path, device: &burn::tensor::Device| -> Result<Llama> {
+        let ck = Checkpoint::open(p)?;
+        Ok(Llama::load(&ck, device, None)?)
+    };
+    let reference = load(&args.reference, &ref_device)?;
+    let model = load(&args.model.model, &device)?;
     let act_file = args.model.model.join(deco_quant::smooth::ACT_QUANT_FILE);
     let act = if act_file.is_file() {
         let text = std::fs::read_to_string(&act_file).with_context(|| format!("reading {}", act_file.display()))?;

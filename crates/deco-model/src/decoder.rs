@@ -25,8 +25,9 @@
 //!   [`Site`] and each residual branch: the activation observers of the quantizers, run-time
 //!   activation quantization (SmoothQuant W8A8, LLM.int8()) and the structural masks of pruning.
 //!
-//! On a GPU device (features `wgpu` / `cuda`), RMSNorm and prefill attention run the fused
-//! CubeCL kernels of `deco_kernels::cube`; on the CPU, on an autodiff device (no backward for
+//! On a GPU device (features `wgpu` / `cuda`), RMSNorm, RoPE, prefill attention and the
+//! matmuls of packed GGUF weights ([`LinearWeight::Device`]) run the CubeCL kernels of
+//! `deco_kernels::cube`; on the CPU, on an autodiff device (no backward for
 //! the kernels), or when a kernel refuses a shape, the burn compositions of `deco_kernels::ops`
 //! they are tested against.
 
@@ -224,7 +225,7 @@ impl Pass<'_> {
         let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
         let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
         let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
-        Ok((self.rope.apply(q, self.positions), self.rope.apply(k, self.positions), v))
+        Ok((rope(self.rope, q, self.positions), rope(self.rope, k, self.positions), v))
     }
 
     /// `x + branch(att · Woᵀ)`: the residual stream after attention, from the attention output
@@ -283,6 +284,11 @@ pub enum LinearWeight {
     /// GGUF blocks on the host, `[out, in]`, multiplied by the packed CPU kernels of
     /// [`deco_kernels::quant`] (the activations go to the host and back).
     Packed(Arc<PackedMatrix>),
+    /// GGUF blocks on a GPU device, `[out, in]`, multiplied by the CubeCL kernel of
+    /// [`deco_kernels::cube::CubePackedMatrix`] (dequantized in registers, nothing leaves the
+    /// device). Features `wgpu` / `cuda` only.
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    Device(Arc<deco_kernels::cube::CubePackedMatrix>),
 }
 
 impl LinearWeight {
@@ -302,7 +308,42 @@ impl LinearWeight {
                 m.matmul(&xs, n, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
             }
+            #[cfg(any(feature = "wgpu", feature = "cuda"))]
+            LinearWeight::Device(m) => m.matmul(x).map_err(|e| Error::InvalidInput(e.to_string())),
         }
+    }
+
+    /// `Wᵀ` as f32 `[in, out]` on `device` (a dense copy of a packed weight: exact, as ggml's
+    /// dequantization; on a GPU device the kernel multiplies the identity, which never leaves
+    /// the device).
+    ///
+    /// # Errors
+    /// A packed kernel's shape refusal.
+    pub fn dense_transposed(&self, device: &Device) -> Result<Tensor<2>> {
+        match self {
+            LinearWeight::Dense(w) => Ok(w.clone()),
+            LinearWeight::Packed(m) => {
+                let t = crate::host::transpose(&m.dequantize(), m.rows(), m.cols());
+                Ok(Tensor::from_data(TensorData::new(t, [m.cols(), m.rows()]), device))
+            }
+            #[cfg(any(feature = "wgpu", feature = "cuda"))]
+            LinearWeight::Device(m) => {
+                // I · Wᵀ: each output is one weight times 1 plus zeros, exact.
+                let eye = Tensor::<2>::eye(m.cols(), device);
+                m.matmul(eye).map_err(|e| Error::InvalidInput(e.to_string()))
+            }
+        }
+    }
+
+    /// The weight of a packed matrix for `device`: on a GPU device (features `wgpu` / `cuda`,
+    /// no autodiff) uploaded for the CubeCL kernel, else kept on the host for the CPU kernels.
+    pub fn packed(m: PackedMatrix, device: &Device) -> Self {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if gpu_kernels(device) {
+            return LinearWeight::Device(Arc::new(deco_kernels::cube::CubePackedMatrix::upload(&m, device)));
+        }
+        let _ = device;
+        LinearWeight::Packed(Arc::new(m))
     }
 }
 
@@ -411,12 +452,37 @@ pub fn config_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
     }
 }
 
-/// Whether `x` lives on a device whose fused CubeCL kernels apply: a GPU device without
-/// autodiff (the kernels have no backward pass).
+/// Whether the fused CubeCL kernels apply on `device`: a GPU device (features `wgpu` / `cuda`)
+/// without autodiff (the kernels have no backward pass). Always `false` in a CPU-only build.
+pub fn gpu_kernels(device: &Device) -> bool {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    {
+        *device != burn::tensor::Device::flex() && !device.is_autodiff()
+    }
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// Whether `x` lives on a device whose fused CubeCL kernels apply ([`gpu_kernels`]).
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn on_kernel_device<const D: usize>(x: &Tensor<D>) -> bool {
-    let d = x.device();
-    d != burn::tensor::Device::flex() && !d.is_autodiff()
+    gpu_kernels(&x.device())
+}
+
+/// Rotate-half RoPE with `table` at `positions`: [`RopeTable::apply`], or the fused CubeCL
+/// kernel on a GPU device without autodiff. Shapes: `x` `[tokens, heads, head_dim]`,
+/// `positions` `[tokens]`.
+pub fn rope(table: &RopeTable, x: Tensor<3>, positions: &Tensor<1, Int>) -> Tensor<3> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if on_kernel_device(&x)
+        && let Ok(y) = deco_kernels::cube::rope(table, x.clone(), positions)
+    {
+        return y;
+    }
+    table.apply(x, positions)
 }
 
 /// RMSNorm of every row (Zhang & Sennrich 2019): `deco_kernels::ops::rms_norm`, or its fused

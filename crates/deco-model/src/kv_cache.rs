@@ -67,6 +67,49 @@ pub trait KvCache: Send {
         let _ = (layer, seq, len);
         None
     }
+
+    /// Whether the cache keeps its keys and values in paged blocks in the model's device memory,
+    /// so that [`KvCache::append_device`] and [`KvCache::device_view`] work (the model then runs
+    /// the CubeCL paged decode attention on a GPU device, and no key or value leaves the
+    /// device). Default: `false`.
+    fn supports_device_paged(&self) -> bool {
+        false
+    }
+
+    /// Like [`KvCache::append`] without returning the cached keys and values (the caller reads
+    /// them with [`KvCache::device_view`]).
+    ///
+    /// # Shapes
+    /// `k`, `v`: `[new_tokens, kv_heads, head_dim]` on the cache's device.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a cache without device paged storage (the default); the
+    /// cache's shape and allocation errors.
+    fn append_device(&mut self, layer: usize, seq: SeqId, k: Tensor<3>, v: Tensor<3>) -> Result<()> {
+        let _ = (layer, seq, k, v);
+        Err(Error::InvalidInput("this KV cache has no device paged storage".into()))
+    }
+
+    /// The device storage of `layer` and the block table of `seq` covering its first `len`
+    /// positions; `None` without device paged storage or for fewer than `len` positions.
+    fn device_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<DeviceKv<'_>> {
+        let _ = (layer, seq, len);
+        None
+    }
+}
+
+/// One layer's paged keys and values in device memory and one sequence's block table
+/// ([`KvCache::device_view`]), as the CubeCL paged decode attention reads them.
+#[derive(Debug, Clone)]
+pub struct DeviceKv<'a> {
+    /// Keys `[num_blocks, block_size, kv_heads, head_dim]`.
+    pub k: Tensor<4>,
+    /// Values, same shape.
+    pub v: Tensor<4>,
+    /// Block of each run of `block_size` positions of the sequence.
+    pub block_table: &'a [u32],
+    /// Positions covered (the tokens appended in the current forward included).
+    pub len: usize,
 }
 
 /// One layer of one sequence in a [`DenseKvCache`].

@@ -13,8 +13,8 @@ use deco_kernels::attention::{AttnShape, paged_decode_attention};
 use deco_kernels::ops::RopeTable;
 use deco_kernels::quant::{BlockType, PackedMatrix};
 
-use crate::decoder::{Attend, Branch, DecoderLayer, LinearWeight, NoHook, Pass, TensorSource, causal_gqa_attention, config_inv_freq, fetch_checked, rms_norm};
-use crate::host::{to_host, to_host_rows, transpose};
+use crate::decoder::{Attend, Branch, DecoderLayer, LinearWeight, NoHook, Pass, TensorSource, causal_gqa_attention, config_inv_freq, fetch_checked, gpu_kernels, rms_norm};
+use crate::host::{to_host, to_host_rows};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::{Error, Result};
 
@@ -73,6 +73,17 @@ enum Embedding {
 /// A source of packed weights: `Ok(Some(matrix))` (HF layout `[out, in]`) for a weight kept in
 /// its GGUF blocks, `Ok(None)` for one that must be loaded as f32.
 type PackedSource<'a> = &'a dyn Fn(&str) -> Result<Option<PackedMatrix>>;
+
+/// Counts of linear weights by storage ([`Llama::weight_storage`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WeightStorage {
+    /// f32 on the model's device ([`LinearWeight::Dense`]).
+    pub dense: usize,
+    /// GGUF blocks on the host, CPU kernels ([`LinearWeight::Packed`]).
+    pub host_packed: usize,
+    /// GGUF blocks on a GPU device, CubeCL kernel (`LinearWeight::Device`).
+    pub device_packed: usize,
+}
 
 /// A Llama-family causal language model with weights on a burn device.
 #[derive(Debug, Clone)]
@@ -163,7 +174,7 @@ impl Llama {
     pub fn load(ckpt: &Checkpoint, device: &Device, max_positions: Option<usize>) -> Result<Self> {
         let packed = |name: &str| gguf_packed(ckpt, name);
         let on_cpu = *device == Device::flex();
-        let packed: Option<PackedSource<'_>> = if on_cpu { Some(&packed) } else { None };
+        let packed: Option<PackedSource<'_>> = if on_cpu || gpu_kernels(device) { Some(&packed) } else { None };
         Self::build(&ckpt.config, &|name| Ok(ckpt.tensor(name)?), packed, device, max_positions)
     }
 
@@ -212,7 +223,7 @@ impl Llama {
                 if parts.len() == names.len() {
                     let refs: Vec<&PackedMatrix> = parts.iter().collect();
                     if let Ok(m) = PackedMatrix::concat_rows(&refs) {
-                        return Ok(LinearWeight::Packed(Arc::new(m)));
+                        return Ok(LinearWeight::packed(m, device));
                     }
                 }
             }
@@ -228,7 +239,7 @@ impl Llama {
         let (embed, head) = match packed_embed {
             Some(m) => {
                 let head = if cfg.tie_word_embeddings {
-                    LinearWeight::Packed(m.clone())
+                    LinearWeight::packed(PackedMatrix::clone(&m), device)
                 } else {
                     linear(&["lm_head.weight".to_string()], h)?
                 };
@@ -394,17 +405,31 @@ impl Llama {
         self.layers.len()
     }
 
+    /// How the model's linear weights (every layer's fused Q/K/V, O, fused gate/up and down
+    /// projections, and the LM head) are held.
+    pub fn weight_storage(&self) -> WeightStorage {
+        let mut s = WeightStorage::default();
+        let layers = self.layers.iter().flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]);
+        for w in layers.chain(std::iter::once(&self.head)) {
+            match w {
+                LinearWeight::Dense(_) => s.dense += 1,
+                LinearWeight::Packed(_) => s.host_packed += 1,
+                #[cfg(any(feature = "wgpu", feature = "cuda"))]
+                LinearWeight::Device(_) => s.device_packed += 1,
+            }
+        }
+        s
+    }
+
     /// The LM head, `[hidden, vocab]` (transposed: `logits = hidden @ lm_head`), f32.
     ///
     /// For a packed (quantized GGUF) head this dequantizes it on first call and keeps the copy
     /// (`4 · hidden · vocab` bytes); the forward pass itself never needs it.
     pub fn lm_head(&self) -> &Tensor<2> {
-        self.lm_head_dense.get_or_init(|| match &self.head {
-            LinearWeight::Dense(w) => w.clone(),
-            LinearWeight::Packed(m) => {
-                let t = transpose(&m.dequantize(), m.rows(), m.cols());
-                Tensor::from_data(TensorData::new(t, [m.cols(), m.rows()]), &self.device)
-            }
+        self.lm_head_dense.get_or_init(|| {
+            // A packed head's shapes were checked when it was loaded: the dense copy cannot
+            // be refused.
+            self.head.dense_transposed(&self.device).expect("the LM head's own shapes")
         })
     }
 
@@ -503,6 +528,80 @@ impl Llama {
     ) -> Result<Tensor<2>> {
         let mut attend = CacheAttention { model: self, batch, inputs, cache };
         self.pass(batch).layer(li, &self.layers[li], x, &mut attend, &NoHook)
+    }
+
+    /// Attention of layer `li` on a GPU device with a device paged cache: the sequences with one
+    /// new token write their keys and values into their blocks ([`KvCache::append_device`]) and
+    /// are attended by one CubeCL paged decode attention call over the device blocks
+    /// (`deco_kernels::cube::paged_decode_attention`); the others (prefill chunks, speculative
+    /// verification) take the FlashAttention path on their gathered keys and values.
+    /// `[tokens, heads * head_dim]` in batch order; nothing leaves the device.
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention_device_paged(
+        &self,
+        li: usize,
+        q: Tensor<3>,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        batch: &Batch,
+        inputs: &[SeqInput<'_>],
+        cache: &mut dyn KvCache,
+    ) -> Result<Tensor<2>> {
+        let cfg = &self.config;
+        let (heads, hd) = (cfg.num_attention_heads, cfg.head_dim);
+        let qrow = heads * hd;
+        let decode: Vec<usize> = (0..batch.spans.len()).filter(|&i| batch.spans[i].len == 1).collect();
+        let mut prefill_out: Vec<Option<Tensor<2>>> = vec![None; batch.spans.len()];
+        for (i, (inp, sp)) in inputs.iter().zip(&batch.spans).enumerate() {
+            if sp.len == 1 {
+                cache.append_device(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
+            } else {
+                let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
+                prefill_out[i] = Some(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
+            }
+        }
+        let cache = &*cache;
+        let views = decode
+            .iter()
+            .map(|&i| {
+                let (seq, len) = (inputs[i].seq, batch.spans[i].past + 1);
+                cache
+                    .device_view(li, seq, len)
+                    .ok_or_else(|| Error::InvalidInput(format!("KV cache has no device view of sequence {seq} at layer {li}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (Some(first), true) = (views.first(), decode.len() == views.len()) else {
+            return Err(Error::InvalidInput("device paged attention without decode sequences".into()));
+        };
+        let (kc, vc) = (first.k.clone(), first.v.clone());
+        let seqs: Vec<deco_kernels::cube::PagedSeq<'_>> =
+            views.iter().map(|w| deco_kernels::cube::PagedSeq { block_table: w.block_table, len: w.len }).collect();
+        let qd = if decode.len() == batch.spans.len() && batch.n == decode.len() {
+            q
+        } else {
+            let idx: Vec<i64> = decode.iter().map(|&i| batch.spans[i].start as i64).collect();
+            let m = idx.len();
+            q.select(0, Tensor::<1, Int>::from_data(TensorData::new(idx, [m]), &self.device))
+        };
+        let out = deco_kernels::cube::paged_decode_attention(qd, kc, vc, &seqs)
+            .map_err(|e| Error::InvalidInput(format!("paged decode attention: {e}")))?
+            .reshape([decode.len(), qrow]);
+        if decode.len() == batch.spans.len() {
+            return Ok(out);
+        }
+        let mut parts = Vec::with_capacity(batch.spans.len());
+        let mut d = 0;
+        for p in prefill_out {
+            match p {
+                Some(t) => parts.push(t),
+                None => {
+                    parts.push(out.clone().slice([d..d + 1, 0..qrow]));
+                    d += 1;
+                }
+            }
+        }
+        Ok(Tensor::cat(parts, 0))
     }
 
     /// Attention of layer `li` with the fused CPU decode kernel for the sequences with one new
@@ -619,6 +718,10 @@ impl Attend for CacheAttention<'_, '_> {
         let cache = &mut *self.cache;
         if self.model.fused_decode && cache.supports_host_kv() && batch.spans.iter().any(|sp| sp.len == 1) {
             return self.model.attention_fused(li, q, k, v, batch, inputs, cache);
+        }
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        if cache.supports_device_paged() && gpu_kernels(&self.model.device) && batch.spans.iter().any(|sp| sp.len == 1) {
+            return self.model.attention_device_paged(li, q, k, v, batch, inputs, cache);
         }
         let mut outs = Vec::with_capacity(batch.spans.len());
         for (inp, sp) in inputs.iter().zip(&batch.spans) {

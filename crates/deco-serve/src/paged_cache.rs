@@ -9,6 +9,13 @@
 //! directly from the buffers given [`PagedKvCache::block_table`], [`PagedKvCache::layer_kv`]
 //! and the sequence length.
 //!
+//! On a GPU device (features `wgpu` / `cuda` of deco-model) the same blocks live in device
+//! memory instead, one `[num_blocks · block_size, kv_heads · head_dim]` tensor per layer and
+//! for keys and values: writes are slice assignments into the blocks, copy-on-write copies a
+//! block on the device, prefill chunks gather their rows with one `select`, and decode tokens
+//! are attended in place by the CubeCL paged decode kernel ([`KvCache::device_view`]). The block
+//! pool, tables and prefix cache stay on the host; no key or value crosses the bus.
+//!
 //! # Attention paths
 //! - Decode (one new token per sequence, CPU model): the model writes the new keys/values with
 //!   [`KvCache::append_host`] and calls `deco_kernels::attention::paged_decode_attention` once
@@ -77,11 +84,25 @@ struct PagedSeq {
 pub struct PagedKvCache {
     shape: CacheShape,
     pool: BlockPool,
-    /// Per layer, `[num_blocks, block_size, kv_heads, head_dim]`.
+    /// Per layer, `[num_blocks, block_size, kv_heads, head_dim]` on the host (empty when the
+    /// blocks live on the device).
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// Per layer, `[num_blocks · block_size, kv_heads · head_dim]` in device memory, on a GPU
+    /// device (features `wgpu` / `cuda`); empty on the CPU.
+    dk: Vec<Tensor<2>>,
+    dv: Vec<Tensor<2>>,
     seqs: HashMap<SeqId, PagedSeq>,
     device: Device,
+}
+
+/// `t[start .. start + rows.len()] = rows` in place (`t` is taken out of its slot so that its
+/// buffer has a single owner and burn writes into it instead of copying the whole pool).
+fn assign_rows(t: &mut Tensor<2>, start: usize, rows: Tensor<2>) {
+    let [n, w] = rows.dims();
+    let placeholder = Tensor::empty([0, w], &t.device());
+    let cur = std::mem::replace(t, placeholder);
+    *t = cur.slice_assign([start..start + n, 0..w], rows);
 }
 
 fn model_err(e: Error) -> deco_model::Error {
@@ -98,15 +119,73 @@ impl PagedKvCache {
         if shape.block_size == 0 || shape.kv_heads == 0 || shape.head_dim == 0 || shape.n_layers == 0 {
             return Err(Error::InvalidRequest(format!("invalid cache shape {shape:?}")));
         }
-        let per_layer = shape.num_blocks * shape.block_size * shape.kv_heads * shape.head_dim;
+        let on_device = deco_model::decoder::gpu_kernels(device);
+        let per_layer = if on_device { 0 } else { shape.num_blocks * shape.block_size * shape.kv_heads * shape.head_dim };
+        let rows = shape.num_blocks * shape.block_size;
+        let tf = shape.kv_heads * shape.head_dim;
+        let dev_layers = if on_device { shape.n_layers } else { 0 };
         Ok(Self {
             shape,
             pool: BlockPool::new(shape.num_blocks)?,
             k: (0..shape.n_layers).map(|_| vec![0.0; per_layer]).collect(),
             v: (0..shape.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            dk: (0..dev_layers).map(|_| Tensor::zeros([rows, tf], device)).collect(),
+            dv: (0..dev_layers).map(|_| Tensor::zeros([rows, tf], device)).collect(),
             seqs: HashMap::new(),
             device: device.clone(),
         })
+    }
+
+    /// Whether the blocks live in device memory (a GPU device, features `wgpu` / `cuda`): then
+    /// [`KvCache::append_device`] / [`KvCache::device_view`] serve the model's paged decode
+    /// kernel and the host storage is empty.
+    pub fn on_device(&self) -> bool {
+        !self.dk.is_empty()
+    }
+
+    /// Writes `k`, `v` (`[n, kv_heads · head_dim]` on the device) for positions `len .. len + n`
+    /// of `seq` into the device blocks, one slice assignment per run of positions in a block.
+    fn write_device(&mut self, layer: usize, seq: SeqId, k: Tensor<2>, v: Tensor<2>) -> Result<usize> {
+        let bs = self.shape.block_size;
+        let tf = self.token_floats();
+        let [n, _] = k.dims();
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let (len, table) = (s.len, s.table.clone());
+        if table.len() * bs < len + n {
+            return Err(Error::InvalidRequest(format!("sequence {seq}: {n} new tokens not reserved")));
+        }
+        let mut t = 0;
+        while t < n {
+            let p = len + t;
+            let run = (bs - p % bs).min(n - t);
+            let row = table[p / bs] as usize * bs + p % bs;
+            if run == n {
+                assign_rows(&mut self.dk[layer], row, k.clone());
+                assign_rows(&mut self.dv[layer], row, v.clone());
+            } else {
+                assign_rows(&mut self.dk[layer], row, k.clone().slice([t..t + run, 0..tf]));
+                assign_rows(&mut self.dv[layer], row, v.clone().slice([t..t + run, 0..tf]));
+            }
+            t += run;
+        }
+        Ok(len + n)
+    }
+
+    /// Checks a layer index and `[n, kv_heads, head_dim]` keys/values; returns `n`.
+    fn check_kv(&self, layer: usize, k: &Tensor<3>, v: &Tensor<3>) -> deco_model::Result<usize> {
+        let CacheShape { n_layers, kv_heads, head_dim, .. } = self.shape;
+        if layer >= n_layers {
+            return Err(deco_model::Error::InvalidInput(format!("layer {layer} out of range ({n_layers} layers)")));
+        }
+        let [n, kh, hd] = k.dims();
+        if kh != kv_heads || hd != head_dim || v.dims() != [n, kh, hd] {
+            return Err(deco_model::Error::InvalidInput(format!(
+                "paged cache expects [tokens, {kv_heads}, {head_dim}] keys/values, got {:?} / {:?}",
+                k.dims(),
+                v.dims()
+            )));
+        }
+        Ok(n)
     }
 
     /// The geometry.
@@ -132,6 +211,9 @@ impl PagedKvCache {
     /// Key and value storage of `layer`, each `[num_blocks, block_size, kv_heads, head_dim]`
     /// row-major (for a paged-attention kernel).
     pub fn layer_kv(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        if self.on_device() {
+            return None;
+        }
         Some((self.k.get(layer)?.as_slice(), self.v.get(layer)?.as_slice()))
     }
 
@@ -197,11 +279,22 @@ impl PagedKvCache {
         let b = table[idx];
         if self.pool.ref_count(b) > 1 {
             let nb = self.pool.allocate()?;
-            let n = self.block_floats();
-            let (src, dst) = (b as usize * n, nb as usize * n);
-            for l in 0..self.shape.n_layers {
-                self.k[l].copy_within(src..src + n, dst);
-                self.v[l].copy_within(src..src + n, dst);
+            if self.on_device() {
+                let (bs, tf) = (self.shape.block_size, self.token_floats());
+                let (src, dst) = (b as usize * bs, nb as usize * bs);
+                for t in self.dk.iter_mut().chain(self.dv.iter_mut()) {
+                    // A fresh buffer (not a view of `t`), so that `t` stays the single owner
+                    // of its own buffer and is written in place.
+                    let block = t.clone().slice([src..src + bs, 0..tf]).add_scalar(0.0);
+                    assign_rows(t, dst, block);
+                }
+            } else {
+                let n = self.block_floats();
+                let (src, dst) = (b as usize * n, nb as usize * n);
+                for l in 0..self.shape.n_layers {
+                    self.k[l].copy_within(src..src + n, dst);
+                    self.v[l].copy_within(src..src + n, dst);
+                }
             }
             self.pool.free(b)?;
             table[idx] = nb;
@@ -373,21 +466,22 @@ impl KvCache for PagedKvCache {
     }
 
     fn append(&mut self, layer: usize, seq: SeqId, k: Tensor<3>, v: Tensor<3>) -> deco_model::Result<(Tensor<3>, Tensor<3>)> {
-        let CacheShape { n_layers, kv_heads, head_dim, .. } = self.shape;
-        if layer >= n_layers {
-            return Err(deco_model::Error::InvalidInput(format!("layer {layer} out of range ({n_layers} layers)")));
-        }
-        let [n, kh, hd] = k.dims();
-        if kh != kv_heads || hd != head_dim || v.dims() != [n, kh, hd] {
-            return Err(deco_model::Error::InvalidInput(format!(
-                "paged cache expects [tokens, {kv_heads}, {head_dim}] keys/values, got {:?} / {:?}",
-                k.dims(),
-                v.dims()
-            )));
-        }
+        let CacheShape { kv_heads, head_dim, .. } = self.shape;
+        let n = self.check_kv(layer, &k, &v)?;
         if layer == 0 {
             let len = self.seq_len(seq);
             self.reserve(seq, len + n).map_err(model_err)?;
+        }
+        if self.on_device() {
+            // Write into the device blocks, then gather the sequence's rows on the device.
+            let tf = self.token_floats();
+            let bs = self.shape.block_size;
+            let total = self.write_device(layer, seq, k.reshape([n, tf]), v.reshape([n, tf])).map_err(model_err)?;
+            let table = &self.seqs[&seq].table;
+            let idx: Vec<i64> = (0..total).map(|p| (table[p / bs] as usize * bs + p % bs) as i64).collect();
+            let idx = Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(idx, [total]), &self.device);
+            let shape = [total, kv_heads, head_dim];
+            return Ok((self.dk[layer].clone().select(0, idx.clone()).reshape(shape), self.dv[layer].clone().select(0, idx).reshape(shape)));
         }
         let (kh_data, vh_data) = (deco_model::host::to_host(k)?, deco_model::host::to_host(v)?);
         let (ko, vo) = self.write_and_gather(layer, seq, &kh_data, &vh_data, n).map_err(model_err)?;
@@ -407,7 +501,40 @@ impl KvCache for PagedKvCache {
     }
 
     fn supports_host_kv(&self) -> bool {
-        true
+        !self.on_device()
+    }
+
+    fn supports_device_paged(&self) -> bool {
+        self.on_device()
+    }
+
+    fn append_device(&mut self, layer: usize, seq: SeqId, k: Tensor<3>, v: Tensor<3>) -> deco_model::Result<()> {
+        if !self.on_device() {
+            return Err(deco_model::Error::InvalidInput("this paged cache keeps its blocks on the host".into()));
+        }
+        let n = self.check_kv(layer, &k, &v)?;
+        if layer == 0 {
+            let len = self.seq_len(seq);
+            self.reserve(seq, len + n).map_err(model_err)?;
+        }
+        let tf = self.token_floats();
+        self.write_device(layer, seq, k.reshape([n, tf]), v.reshape([n, tf])).map_err(model_err)?;
+        Ok(())
+    }
+
+    fn device_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<deco_model::DeviceKv<'_>> {
+        let s = self.seqs.get(&seq)?;
+        let CacheShape { block_size: bs, num_blocks, kv_heads, head_dim, .. } = self.shape;
+        if len == 0 || s.table.len() * bs < len {
+            return None;
+        }
+        let shape = [num_blocks, bs, kv_heads, head_dim];
+        Some(deco_model::DeviceKv {
+            k: self.dk.get(layer)?.clone().reshape(shape),
+            v: self.dv.get(layer)?.clone().reshape(shape),
+            block_table: &s.table,
+            len,
+        })
     }
 
     fn append_host(
@@ -422,6 +549,9 @@ impl KvCache for PagedKvCache {
         let CacheShape { n_layers, kv_heads: kvh, head_dim: hd, .. } = self.shape;
         if layer >= n_layers {
             return Err(deco_model::Error::InvalidInput(format!("layer {layer} out of range ({n_layers} layers)")));
+        }
+        if self.on_device() {
+            return Err(deco_model::Error::InvalidInput("this paged cache keeps its blocks on the device".into()));
         }
         let tf = self.token_floats();
         if kv_heads != kvh || head_dim != hd || k.len() != v.len() || !k.len().is_multiple_of(tf) {
@@ -441,6 +571,9 @@ impl KvCache for PagedKvCache {
     }
 
     fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<SeqKv<'_>> {
+        if self.on_device() {
+            return None;
+        }
         let s = self.seqs.get(&seq)?;
         let bs = self.shape.block_size;
         if len == 0 || s.table.len() * bs < len {

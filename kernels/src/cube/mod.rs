@@ -354,34 +354,50 @@ impl CubeRope {
     /// [`Error::Incompatible`] for a `head_dim` other than the tables', a `positions` of another
     /// length, a dtype other than f32 or another device.
     pub fn apply(&self, x: Tensor<3>, positions: &Tensor<1, Int>) -> Result<Tensor<3>> {
-        let [t, _, d] = x.dims();
-        let [p] = positions.dims();
-        let (cos, sin) = self.table.tables();
-        if d != self.table.head_dim() {
-            return Err(Error::Incompatible(format!("rope: head_dim {d}, tables built for {}", self.table.head_dim())));
-        }
-        if p != t {
-            return Err(Error::Incompatible(format!("rope: {p} positions for {t} tokens")));
-        }
-        check_f32("rope x", &x)?;
-        check_device("rope", &x.device(), &cos.device())?;
-        check_device("rope positions", &positions.device(), &cos.device())?;
-        let out = <burn::backend::Dispatch as DecoKernelOps>::rope(
-            x.into_dispatch(),
-            cos.clone().into_dispatch(),
-            sin.clone().into_dispatch(),
-            positions.clone().into_dispatch(),
-        );
-        Ok(Tensor::from_dispatch(out))
+        rope(&self.table, x, positions)
     }
+}
+
+/// The fused rotate-half RoPE of [`CubeRope::apply`] with the tables of a
+/// [`crate::ops::RopeTable`] (the model's own table, so that the kernel and the composition
+/// read the same cos/sin values).
+///
+/// # Shapes
+/// - `x`: `[tokens, heads, head_dim]`, f32, on the device of the tables
+/// - `positions`: `[tokens]`, any integer dtype
+/// - output: `[tokens, heads, head_dim]`
+///
+/// # Errors
+/// As [`CubeRope::apply`].
+pub fn rope(table: &crate::ops::RopeTable, x: Tensor<3>, positions: &Tensor<1, Int>) -> Result<Tensor<3>> {
+    let [t, _, d] = x.dims();
+    let [p] = positions.dims();
+    let (cos, sin) = table.tables();
+    if d != table.head_dim() {
+        return Err(Error::Incompatible(format!("rope: head_dim {d}, tables built for {}", table.head_dim())));
+    }
+    if p != t {
+        return Err(Error::Incompatible(format!("rope: {p} positions for {t} tokens")));
+    }
+    check_f32("rope x", &x)?;
+    check_device("rope", &x.device(), &cos.device())?;
+    check_device("rope positions", &positions.device(), &cos.device())?;
+    let out = <burn::backend::Dispatch as DecoKernelOps>::rope(
+        x.into_dispatch(),
+        cos.clone().into_dispatch(),
+        sin.clone().into_dispatch(),
+        positions.clone().into_dispatch(),
+    );
+    Ok(Tensor::from_dispatch(out))
 }
 
 /// A [`PackedMatrix`] uploaded to a device for [`CubePackedMatrix::matmul`].
 ///
-/// `W: [rows, cols]` (`[out_features, in_features]`) stays in its GGUF blocks (Q8_0, Q4_0 or
-/// Q4_1, layouts in [`crate::quant::BlockType`], from ggml-common.h): the bytes are stored as
-/// little-endian u32 words (dtype u32), zero-padded to a whole word, i.e. 1.06 (Q8_0),
-/// 0.56 (Q4_0) or 0.63 (Q4_1) bytes per weight on the device instead of 4.
+/// `W: [rows, cols]` (`[out_features, in_features]`) stays in its GGUF blocks (Q8_0, Q4_0,
+/// Q4_1, Q5_0, Q4_K or Q6_K, layouts in [`crate::quant::BlockType`], from ggml-common.h): the
+/// bytes are stored as little-endian u32 words (dtype u32), zero-padded to a whole word, i.e.
+/// 1.06 (Q8_0), 0.56 (Q4_0), 0.63 (Q4_1), 0.69 (Q5_0), 0.56 (Q4_K) or 0.82 (Q6_K) bytes per
+/// weight on the device instead of 4.
 #[derive(Debug, Clone)]
 pub struct CubePackedMatrix {
     words: Tensor<1, Int>,
@@ -429,9 +445,10 @@ impl CubePackedMatrix {
     /// `y[n, rows] = x[n, cols] · Wᵀ` with f32 activations and f32 accumulation.
     ///
     /// On a CubeCL device, a cube of 32 × 4 units computes 4 output rows for 4 tokens: each
-    /// row's blocks are split over 32 lanes, each lane decodes the f16 scale (and min) of its
-    /// blocks with integer operations, dequantizes the weights in registers (`d · (q − 8)`,
-    /// `d · q + m`, `d · q`, as ggml's `dequantize_row_*`) and accumulates `w · x` for its 4
+    /// row's chunks of 32 weights (a block, or an eighth of a k-quant super-block) are split
+    /// over 32 lanes, each lane decodes the f16 scales (and mins, and the 6-bit or int8
+    /// sub-block scales of the k-quants) of its chunks with integer operations, dequantizes the
+    /// weights in registers (as ggml's `dequantize_row_*`) and accumulates `w · x` for its 4
     /// tokens; the 32 partial sums are then reduced in shared memory. No f32 copy of `W` is
     /// made. On Flex, the words are copied back to bytes and multiplied by
     /// [`PackedMatrix::matmul`] (a reference path: it copies the weights on every call).
@@ -445,9 +462,6 @@ impl CubePackedMatrix {
     /// another device, or more than `65535 · 4` rows or tokens (the cube-count limit).
     pub fn matmul(&self, x: Tensor<2>) -> Result<Tensor<2>> {
         let [n, c] = x.dims();
-        if matches!(self.ty, BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K) {
-            return Err(Error::Unsupported(format!("quant matmul: no CubeCL kernel for {:?} blocks yet", self.ty)));
-        }
         if c != self.cols {
             return Err(Error::Incompatible(format!("quant matmul: x rows of {c} values, W has {} columns", self.cols)));
         }

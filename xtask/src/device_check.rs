@@ -1,0 +1,128 @@
+//! `cargo xtask device-check`: prepares the one-shot GPU check of issue 13 in `device-check/`
+//! (git-ignored), to be carried to a device machine and run there with
+//! `bash device-check/run.sh`.
+//!
+//! The device machine cannot fetch anything and takes at most 64 MiB of files per call, so
+//! the folder holds only what the check needs (see `xtask/scripts/device_check.sh`):
+//! - `deco` (or `deco.xz` when large): the CUDA release binary of `cargo xtask build --cuda`,
+//!   stripped;
+//! - `smollm2.header`, `qwen1.5b.header`: the headers (metadata, tokenizer, tensor table) of
+//!   SmolLM2-135M-Instruct Q4_1 and Qwen2.5-Coder-1.5B-Instruct Q4_K_M, from which
+//!   `gguf_shape_clone.py fill` writes same-shape files with random weights there;
+//! - `wiki.txt` (8,000 characters of the Wikipedia test text), `prompt512.txt` and
+//!   `prompt128.txt` (prompts of about 512 and 128 tokens);
+//! - the scripts `run.sh`, `gguf_shape_clone.py`, `device_streams.py`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::fetch::{self, What};
+use crate::util;
+use crate::{cuda, python};
+
+/// Options of `cargo xtask device-check`.
+pub struct Options {
+    /// The cache directory.
+    pub cache: PathBuf,
+    /// Ignore the mirror.
+    pub no_mirror: bool,
+    /// A CUDA `deco` binary to use instead of building one.
+    pub deco_bin: Option<PathBuf>,
+    /// `CUDARC_CUDA_VERSION` of the build.
+    pub cuda_version: String,
+}
+
+/// A binary over this size travels xz-compressed.
+const COMPRESS_OVER: u64 = 24 << 20;
+
+/// What travels: at most this many bytes (the tool's 64 MiB, less the repository itself).
+const BUDGET: u64 = 56 << 20;
+
+/// The first `chars` characters of `text`, cut after the last whole word.
+fn words(text: &str, chars: usize) -> String {
+    let cut: String = text.chars().take(chars).collect();
+    match cut.rfind(char::is_whitespace) {
+        Some(i) if cut.chars().count() == chars => cut[..i].to_string(),
+        _ => cut,
+    }
+}
+
+/// Prepares `device-check/`.
+///
+/// # Errors
+/// Missing models (fetched first), a failed build, or a folder over the carry budget.
+pub fn prepare(opts: &Options) -> Result<()> {
+    fetch::fetch(&fetch::Options { cache: opts.cache.clone(), no_mirror: opts.no_mirror, what: vec![What::Model, What::Data, What::Qwen15b] })?;
+    let dir = util::workspace_root().join("device-check");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("cannot clear {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+
+    let bin = match &opts.deco_bin {
+        Some(b) => b.clone(),
+        None => {
+            let target = opts.cache.join("cuda").join("target");
+            cuda::build(&cuda::Options { cache: opts.cache.clone(), check: false, target_dir: Some(target.clone()), cuda_version: opts.cuda_version.clone() })?;
+            target.join("release").join("deco")
+        }
+    };
+    if !bin.is_file() {
+        bail!("{}: no such binary", bin.display());
+    }
+    let dest = dir.join("deco");
+    std::fs::copy(&bin, &dest).with_context(|| format!("cannot copy {}", bin.display()))?;
+    util::run(Command::new("strip").arg(&dest)).context("strip (binutils) failed")?;
+    if util::file_size(&dest).unwrap_or(0) > COMPRESS_OVER {
+        // The CUDA binary links LLVM statically; run.sh decompresses it with Python's lzma.
+        util::run(Command::new("xz").args(["-T2", "-6", "-f"]).arg(&dest)).context("xz failed")?;
+    }
+
+    let py = python::system_python();
+    let models = opts.cache.join("models");
+    for (name, file) in [("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"), ("qwen1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")] {
+        util::run(Command::new(&py).arg(python::script("gguf_shape_clone.py")).arg("header").arg(models.join(file)).arg(dir.join(format!("{name}.header"))))?;
+    }
+    for s in ["gguf_shape_clone.py", "device_streams.py"] {
+        std::fs::copy(python::script(s), dir.join(s)).with_context(|| format!("cannot copy {s}"))?;
+    }
+    std::fs::copy(python::script("device_check.sh"), dir.join("run.sh")).context("cannot copy device_check.sh")?;
+
+    let wiki_path = opts.cache.join("data").join("wiki_test.txt");
+    let wiki = std::fs::read_to_string(&wiki_path).with_context(|| format!("cannot read {}", wiki_path.display()))?;
+    std::fs::write(dir.join("wiki.txt"), words(&wiki, 8000))?;
+    // About 4.3 characters per token for both tokenizers on this text.
+    std::fs::write(dir.join("prompt512.txt"), words(&wiki, 2200))?;
+    std::fs::write(dir.join("prompt128.txt"), words(&wiki, 550))?;
+
+    let total = folder_bytes(&dir)?;
+    eprintln!("device-check/: {} (budget {})", util::human_bytes(total), util::human_bytes(BUDGET));
+    if total > BUDGET {
+        bail!("device-check/ holds {} bytes, over the {BUDGET}-byte carry budget", total);
+    }
+    eprintln!(
+        "run it on a device machine: run(command = \"bash device-check/run.sh\", carry = [\"device-check\"], timeout_s = 420); results under $OUT"
+    );
+    Ok(())
+}
+
+fn folder_bytes(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    for e in std::fs::read_dir(dir)? {
+        total += e?.metadata()?.len();
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::words;
+
+    #[test]
+    fn prompts_end_on_a_word() {
+        assert_eq!(words("alpha beta gamma", 8), "alpha");
+        assert_eq!(words("alpha", 8), "alpha");
+    }
+}
