@@ -19,6 +19,40 @@ pub enum DeviceError {
         /// Cargo feature that enables it.
         feature: &'static str,
     },
+    /// The device is compiled in but its runtime is missing on this machine.
+    #[error("device `{name}` is not usable here: {why}")]
+    Unavailable {
+        /// Device name.
+        name: String,
+        /// What is missing.
+        why: String,
+    },
+}
+
+/// Whether one of the shared libraries `names` can be loaded (`dlopen`, the search cudarc
+/// makes: `LD_LIBRARY_PATH`, the loader cache).
+#[cfg(feature = "cuda")]
+fn loadable(names: &[&str]) -> bool {
+    names.iter().any(|n| {
+        let Ok(c) = std::ffi::CString::new(*n) else { return false };
+        // SAFETY: `c` is a valid NUL-terminated string; the handle of a successful open is
+        // kept (cudarc opens the same library next).
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY) };
+        !h.is_null()
+    })
+}
+
+/// Checks that the NVIDIA driver library is present before burn's CUDA runtime loads it
+/// (cudarc panics on a missing library; deco reports it instead).
+#[cfg(feature = "cuda")]
+fn check_cuda(name: &str) -> Result<(), DeviceError> {
+    if !loadable(&["libcuda.so.1", "libcuda.so"]) {
+        return Err(DeviceError::Unavailable {
+            name: name.to_string(),
+            why: "the NVIDIA driver library libcuda.so.1 was not found (no driver installed, or set LD_LIBRARY_PATH)".into(),
+        });
+    }
+    Ok(())
 }
 
 /// The device names this build supports, default first.
@@ -37,7 +71,8 @@ pub fn available_devices() -> Vec<&'static str> {
 /// Vulkan/Metal/DX12, feature `wgpu`) or `cuda` / `cuda:N` (CubeCL CUDA, feature `cuda`).
 ///
 /// # Errors
-/// [`DeviceError::Unknown`] for other names, [`DeviceError::NotCompiled`] when the feature is off.
+/// [`DeviceError::Unknown`] for other names, [`DeviceError::NotCompiled`] when the feature is off,
+/// [`DeviceError::Unavailable`] for `cuda` on a machine without the NVIDIA driver library.
 pub fn select_device(name: &str) -> Result<Device, DeviceError> {
     let (kind, index) = match name.split_once(':') {
         Some((k, i)) => (k, i.parse::<usize>().map_err(|_| DeviceError::Unknown(name.to_string()))?),
@@ -57,6 +92,7 @@ pub fn select_device(name: &str) -> Result<Device, DeviceError> {
         "cuda" => {
             #[cfg(feature = "cuda")]
             {
+                check_cuda(name)?;
                 Ok(Device::cuda(index))
             }
             #[cfg(not(feature = "cuda"))]

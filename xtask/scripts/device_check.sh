@@ -35,9 +35,22 @@ fi
 chmod +x "$DECO"
 say() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 start=$(date +%s)
-# cudarc loads libcuda / nvrtc at run time; the image's CUDA toolkit and the driver mount.
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64:/usr/local/nvidia/lib64"
-export CUDA_PATH="${CUDA_PATH:-/usr/local/cuda}"
+# cudarc loads libcuda / NVRTC at run time (the image's driver mount and CUDA toolkit). Its
+# CUDA 12.8 bindings look for libnvrtc.so or libnvrtc.so.12; a CUDA 13 image may only have
+# libnvrtc.so.13: link it as libnvrtc.so in a private folder. CUDA_PATH: where
+# nvvm/libdevice/libdevice.10.bc lives (math functions).
+mkdir -p /tmp/deco-cudalibs
+export LD_LIBRARY_PATH="/tmp/deco-cudalibs:${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64:/usr/local/nvidia/lib64"
+if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc.so '; then
+    f=$(ls /usr/local/cuda/lib64/libnvrtc.so* /usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so* 2>/dev/null | grep -v builtins | head -1)
+    [ -z "$f" ] && f=$(python3 -c "import glob, os, nvidia.cuda_nvrtc as m; print((sorted(glob.glob(os.path.join(list(m.__path__)[0], '**', 'libnvrtc.so*'), recursive=True)) + [''])[0])" 2>/dev/null)
+    [ -n "$f" ] && ln -sf "$f" /tmp/deco-cudalibs/libnvrtc.so
+fi
+if [ -z "${CUDA_PATH:-}" ]; then
+    d=$(ls -d /usr/local/cuda*/nvvm/libdevice 2>/dev/null | head -1)
+    export CUDA_PATH="${d%/nvvm/libdevice}"
+fi
+{ echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; echo "CUDA_PATH=$CUDA_PATH"; ls -l /tmp/deco-cudalibs; ldconfig -p 2>/dev/null | grep -E 'libcuda\.|libnvrtc'; ls "$CUDA_PATH/nvvm/libdevice" 2>/dev/null; } > "$OUT/cuda-env.txt" 2>&1
 
 say "GPU"
 if command -v nvidia-smi >/dev/null 2>&1; then

@@ -587,21 +587,7 @@ impl Llama {
         let out = deco_kernels::cube::paged_decode_attention(qd, kc, vc, &seqs)
             .map_err(|e| Error::InvalidInput(format!("paged decode attention: {e}")))?
             .reshape([decode.len(), qrow]);
-        if decode.len() == batch.spans.len() {
-            return Ok(out);
-        }
-        let mut parts = Vec::with_capacity(batch.spans.len());
-        let mut d = 0;
-        for p in prefill_out {
-            match p {
-                Some(t) => parts.push(t),
-                None => {
-                    parts.push(out.clone().slice([d..d + 1, 0..qrow]));
-                    d += 1;
-                }
-            }
-        }
-        Ok(Tensor::cat(parts, 0))
+        Ok(interleave(prefill_out, out))
     }
 
     /// Attention of layer `li` with the fused CPU decode kernel for the sequences with one new
@@ -661,18 +647,7 @@ impl Llama {
         if all_decode {
             return Ok(fused);
         }
-        let mut parts = Vec::with_capacity(batch.spans.len());
-        let mut d = 0;
-        for p in prefill_out {
-            match p {
-                Some(t) => parts.push(t),
-                None => {
-                    parts.push(fused.clone().slice([d..d + 1, 0..qrow]));
-                    d += 1;
-                }
-            }
-        }
-        Ok(Tensor::cat(parts, 0))
+        Ok(interleave(prefill_out, fused))
     }
 
     /// Final RMSNorm and LM head over the last `rows[i]` positions of each sequence of the
@@ -699,6 +674,28 @@ impl Llama {
         };
         ForwardOutput { logits, hidden, rows: ranges }
     }
+}
+
+/// The attention outputs of a batch in batch order: each sequence's rows from `prefill`
+/// (`Some` for a multi-token sequence) or, in order, the next row of `decode`
+/// (`[decode sequences, width]`, one row per `None`).
+fn interleave(prefill: Vec<Option<Tensor<2>>>, decode: Tensor<2>) -> Tensor<2> {
+    let [m, width] = decode.dims();
+    if prefill.iter().all(Option::is_none) && prefill.len() == m {
+        return decode;
+    }
+    let mut parts = Vec::with_capacity(prefill.len());
+    let mut d = 0;
+    for p in prefill {
+        match p {
+            Some(t) => parts.push(t),
+            None => {
+                parts.push(decode.clone().slice([d..d + 1, 0..width]));
+                d += 1;
+            }
+        }
+    }
+    Tensor::cat(parts, 0)
 }
 
 /// Attention of a batch against a [`KvCache`]: each sequence's new keys and values are appended
