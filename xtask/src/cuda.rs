@@ -148,7 +148,12 @@ pub fn setup(cache: &Path) -> Result<CudaEnv> {
             symlink(&target, &llvm.join(sub))?;
         }
     }
-    std::fs::write(llvm.join(".tracel-llvm-installed"), b"").context("cannot write the bundler's marker")?;
+    // Written once: the bundler's build script reruns (and everything above cubecl-llvm
+    // rebuilds) whenever the marker's modification time changes.
+    let marker = llvm.join(".tracel-llvm-installed");
+    if !marker.exists() {
+        std::fs::write(&marker, b"").context("cannot write the bundler's marker")?;
+    }
 
     let syslib = dir.join("syslib");
     std::fs::create_dir_all(&syslib).with_context(|| format!("cannot create {}", syslib.display()))?;
