@@ -8,7 +8,8 @@
 # 2. shape clones of SmolLM2-135M-Instruct Q4_1 and Qwen2.5-Coder-1.5B-Instruct Q4_K_M (real
 #    header and tokenizer, random weights: xtask/scripts/gguf_shape_clone.py) written to /tmp;
 # 3. per model: the CUDA path against the CPU path on the same weights (`deco eval kld
-#    --device cuda --reference-device flex`: KL, top-1 agreement, both perplexities);
+#    --device cuda --reference-device flex`: KL, top-1 agreement, both perplexities) on the
+#    fidelity prompts (windows of 16 tokens) and on two 128-token windows of Wikipedia text;
 # 4. per model: prefill and decode tok/s at batch 1 (`deco generate`, a 512-token prompt,
 #    128 new tokens), then `deco serve --device cuda` with 16 and 64 concurrent streams;
 # 5. summary.json: weight bytes per decoded token (every tensor but the token embedding, as
@@ -77,6 +78,8 @@ for m in $MODELS; do
     python3 "$HERE/gguf_shape_clone.py" fill "$HERE/$m.header" "/tmp/deco-models/$m.gguf" || exit 1
     M="/tmp/deco-models/$m.gguf"
     say "$m: CUDA vs CPU on the same weights"
+    timeout 120 "$DECO" eval kld --model "$M" --device "$DEV" --reference "$M" --reference-device flex \
+        --text "$HERE/fidelity.txt" --seqlen 16 --max-windows 8 2>&1 | tee "$OUT/$m.kld-fidelity.txt"
     timeout 120 "$DECO" eval kld --model "$M" --device "$DEV" --reference "$M" --reference-device flex \
         --text "$HERE/wiki.txt" --seqlen 128 --max-windows 2 2>&1 | tee "$OUT/$m.kld.txt"
     say "$m: batch 1, 512-token prompt, 128 new tokens"

@@ -9,7 +9,8 @@
 //! - `smollm2.header`, `qwen1.5b.header`: the headers (metadata, tokenizer, tensor table) of
 //!   SmolLM2-135M-Instruct Q4_1 and Qwen2.5-Coder-1.5B-Instruct Q4_K_M, from which
 //!   `gguf_shape_clone.py fill` writes same-shape files with random weights there;
-//! - `wiki.txt` (8,000 characters of the Wikipedia test text), `prompt512.txt` and
+//! - `fidelity.txt` (the fidelity prompts of the golden reference), `wiki.txt` (8,000
+//!   characters of the Wikipedia test text), `prompt512.txt` and
 //!   `prompt128.txt` (prompts of about 512 and 128 tokens);
 //! - the scripts `run.sh`, `gguf_shape_clone.py`, `device_streams.py`.
 
@@ -54,7 +55,7 @@ fn words(text: &str, chars: usize) -> String {
 /// # Errors
 /// Missing models (fetched first), a failed build, or a folder over the carry budget.
 pub fn prepare(opts: &Options) -> Result<()> {
-    fetch::fetch(&fetch::Options { cache: opts.cache.clone(), no_mirror: opts.no_mirror, what: vec![What::Model, What::Data, What::Qwen15b] })?;
+    fetch::fetch(&fetch::Options { cache: opts.cache.clone(), no_mirror: opts.no_mirror, what: vec![What::Model, What::Data, What::Golden, What::Qwen15b] })?;
     let dir = util::workspace_root().join("device-check");
     if dir.exists() {
         std::fs::remove_dir_all(&dir).with_context(|| format!("cannot clear {}", dir.display()))?;
@@ -94,8 +95,18 @@ pub fn prepare(opts: &Options) -> Result<()> {
     let wiki = std::fs::read_to_string(&wiki_path).with_context(|| format!("cannot read {}", wiki_path.display()))?;
     std::fs::write(dir.join("wiki.txt"), words(&wiki, 8000))?;
     // About 4.3 characters per token for both tokenizers on this text.
-    std::fs::write(dir.join("prompt512.txt"), words(&wiki, 2200))?;
+    std::fs::write(dir.join("prompt512.txt"), words(&wiki, 2400))?;
     std::fs::write(dir.join("prompt128.txt"), words(&wiki, 550))?;
+
+    // The fidelity prompts (the golden reference's), for the CUDA-vs-CPU logits check.
+    let golden_path = opts.cache.join("golden").join("smollm2-135m-instruct.json");
+    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&golden_path).with_context(|| format!("cannot read {}", golden_path.display()))?)
+        .with_context(|| format!("{}: not JSON", golden_path.display()))?;
+    let prompts: Vec<&str> = golden["prompts"].as_array().map(|a| a.iter().filter_map(|p| p["text"].as_str()).collect()).unwrap_or_default();
+    if prompts.is_empty() {
+        bail!("{}: no prompts", golden_path.display());
+    }
+    std::fs::write(dir.join("fidelity.txt"), prompts.join("\n\n"))?;
 
     let total = folder_bytes(&dir)?;
     eprintln!("device-check/: {} (budget {})", util::human_bytes(total), util::human_bytes(BUDGET));
