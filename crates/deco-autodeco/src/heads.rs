@@ -20,6 +20,15 @@
 //! (`weight: [out, in]`, f32): `temp_head.mlp.0.{weight,bias}`, `temp_head.mlp.2.{weight,bias}`,
 //! `top_p_head.mlp.0.{weight,bias}`, `top_p_head.mlp.2.{weight,bias}`, and with the LayerNorm
 //! option `temp_head.norm.{weight,bias}` (deco only).
+//!
+//! The reference's own layout ([`HostHeads::export_official`], read by [`HostHeads::load`] as
+//! well): `config.json` is the base model's configuration with `model_type: "autodeco"`,
+//! `base_model_type`, `base_model_name_or_path`, `enable_temperature_head`,
+//! `enable_top_p_head`, `use_enhanced_features`, `temperature_hidden_size`,
+//! `top_p_hidden_size` and `architectures: ["AutoDecoModelForCausalLM"]`
+//! (`AutoDecoModelForCausalLMConfig`); the head tensors, with the same names, are in
+//! `model.safetensors` (the reference's loader reads every `*.safetensors` of the directory and
+//! keeps the `temp_head.*` / `top_p_head.*` keys, as [`HostHeads::load`] does).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -38,6 +47,13 @@ use crate::stats::{NUM_STATS, prob_stats};
 pub const WEIGHTS_FILE: &str = "autodeco_heads.safetensors";
 /// File name of the heads' configuration inside a heads directory.
 pub const CONFIG_FILE: &str = "autodeco_config.json";
+/// Weights file of the reference implementation's layout (`save_pretrained` of
+/// `AutoDecoModelForCausalLM`, the base model's keys left out).
+pub const OFFICIAL_WEIGHTS_FILE: &str = "model.safetensors";
+/// Configuration file of the reference implementation's layout.
+pub const OFFICIAL_CONFIG_FILE: &str = "config.json";
+/// Hidden width of the reference's heads (`nn.Linear(hidden_size, 256)`, fixed there).
+pub const OFFICIAL_HEAD_HIDDEN: usize = 256;
 /// LayerNorm epsilon of the optional temperature-head norm (PyTorch's default).
 pub const LAYER_NORM_EPS: f64 = 1e-5;
 
@@ -415,6 +431,63 @@ impl HostHeads {
     /// # Errors
     /// As [`HostHeads::save`].
     pub fn save_with(&self, dir: &Path, extra: &[(&str, &[u8])]) -> Result<()> {
+        let bytes = self.weights_bytes(dir)?;
+        let json = serde_json::to_string_pretty(&self.cfg).map_err(|e| Error::Heads { path: dir.join(CONFIG_FILE).display().to_string(), msg: e.to_string() })?;
+        let mut files: Vec<(&str, &[u8])> = vec![(WEIGHTS_FILE, &bytes)];
+        let json = json + "\n";
+        files.push((CONFIG_FILE, json.as_bytes()));
+        files.extend_from_slice(extra);
+        write_files(dir, &files)
+    }
+
+    /// Writes the heads in the reference implementation's layout (module docs): `config.json`
+    /// = `base_config` (the base model's transformers configuration, e.g.
+    /// `ModelConfig::to_hf_json`) plus the AutoDeco fields, and `model.safetensors` with the
+    /// head tensors, crash-safely as [`HostHeads::save`]. `base_model_name_or_path` is what the
+    /// reference loads the base from (a Hub id or a local directory).
+    ///
+    /// # Errors
+    /// [`Error::InvalidParameter`] for heads the reference cannot hold (a temperature-head
+    /// LayerNorm, a head width other than 256) or a `base_config` whose `hidden_size` /
+    /// `vocab_size` differ from the heads'; [`Error::Io`] on file-system failures.
+    pub fn export_official(&self, dir: &Path, base_config: &serde_json::Value, base_model_name_or_path: &str) -> Result<()> {
+        if self.temp_norm.is_some() {
+            return Err(invalid("autodeco export", "heads with a temperature-head LayerNorm (a deco option) have no place in the reference layout"));
+        }
+        if self.cfg.head_hidden_size != OFFICIAL_HEAD_HIDDEN {
+            return Err(invalid("autodeco export", format!("the reference's heads are {OFFICIAL_HEAD_HIDDEN} wide, these are {}", self.cfg.head_hidden_size)));
+        }
+        let mut config = match base_config {
+            serde_json::Value::Object(m) => m.clone(),
+            _ => return Err(invalid("autodeco export", "the base configuration is not a JSON object")),
+        };
+        for (key, want) in [("hidden_size", self.cfg.hidden_size), ("vocab_size", self.cfg.vocab_size)] {
+            let got = config.get(key).and_then(serde_json::Value::as_u64);
+            if got != Some(want as u64) {
+                return Err(invalid("autodeco export", format!("the base model's {key} is {got:?}, the heads were trained for {want}")));
+            }
+        }
+        let base_type = config.get("model_type").cloned().unwrap_or(serde_json::Value::Null);
+        let h = self.cfg.hidden_size;
+        config.insert("model_type".into(), "autodeco".into());
+        config.insert("base_model_type".into(), base_type);
+        config.insert("base_model_name_or_path".into(), base_model_name_or_path.into());
+        config.insert("_name_or_path".into(), base_model_name_or_path.into());
+        config.insert("architectures".into(), serde_json::json!(["AutoDecoModelForCausalLM"]));
+        config.insert("enable_temperature_head".into(), true.into());
+        config.insert("enable_top_p_head".into(), true.into());
+        config.insert("use_enhanced_features".into(), self.cfg.use_enhanced_features.into());
+        config.insert("temperature_hidden_size".into(), h.into());
+        config.insert("top_p_hidden_size".into(), h.into());
+        let json = serde_json::to_string_pretty(&serde_json::Value::Object(config))
+            .map_err(|e| Error::Heads { path: dir.join(OFFICIAL_CONFIG_FILE).display().to_string(), msg: e.to_string() })?
+            + "\n";
+        let bytes = self.weights_bytes(dir)?;
+        write_files(dir, &[(OFFICIAL_WEIGHTS_FILE, &bytes), (OFFICIAL_CONFIG_FILE, json.as_bytes())])
+    }
+
+    /// The safetensors bytes of the head tensors (PyTorch layout, reference names).
+    fn weights_bytes(&self, dir: &Path) -> Result<Vec<u8>> {
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         let mut push_lin = |name: &str, l: &HostLinear| {
             // burn [in, out] -> PyTorch [out, in]
@@ -442,43 +515,90 @@ impl HostHeads {
             .map_err(|e| Error::Heads { path: dir.display().to_string(), msg: e.to_string() })?;
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());
-        let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| Error::Heads { path: dir.display().to_string(), msg: e.to_string() })?;
-        let json = serde_json::to_string_pretty(&self.cfg).map_err(|e| Error::Heads { path: dir.join(CONFIG_FILE).display().to_string(), msg: e.to_string() })?;
-        deco_formats::atomic::write_dir(
-            dir,
-            |tmp| {
-                let wpath = tmp.join(WEIGHTS_FILE);
-                std::fs::write(&wpath, &bytes).map_err(io_err(&wpath))?;
-                let cpath = tmp.join(CONFIG_FILE);
-                std::fs::write(&cpath, json + "\n").map_err(io_err(&cpath))?;
-                for (name, bytes) in extra {
-                    let p = tmp.join(name);
-                    std::fs::write(&p, bytes).map_err(io_err(&p))?;
-                }
-                Ok(())
-            },
-            |p, e| io_err(p)(e),
-        )?;
-        Ok(())
+        safetensors::serialize(views, Some(meta)).map_err(|e| Error::Heads { path: dir.display().to_string(), msg: e.to_string() })
     }
 
-    /// Reads a heads directory written by [`HostHeads::save`] (or the reference implementation's
-    /// heads file, renamed, with a matching config).
+    /// Reads a heads directory: deco's layout (`autodeco_config.json`, written by
+    /// [`HostHeads::save`]) or the reference implementation's (`config.json` with
+    /// `model_type: "autodeco"`, head tensors in the directory's `*.safetensors`; see the module
+    /// docs). For the reference layout the head width is read from `temp_head.mlp.0.weight`
+    /// and the vocabulary from the base configuration it carries.
     ///
     /// # Errors
-    /// [`Error::Heads`] naming the file for a missing file, bad JSON, a missing tensor, a tensor
-    /// of the wrong shape or dtype, or non-finite weights.
+    /// [`Error::Heads`] naming the file for a missing file, bad JSON, a configuration that is
+    /// not AutoDeco's, a disabled head, a missing tensor, a tensor of the wrong shape or dtype,
+    /// or non-finite weights.
     pub fn load(dir: &Path) -> Result<Self> {
-        let cpath = dir.join(CONFIG_FILE);
         let herr = |p: &Path, msg: String| Error::Heads { path: p.display().to_string(), msg };
-        let text = std::fs::read_to_string(&cpath).map_err(|e| herr(&cpath, format!("cannot read AutoDeco config ({e})")))?;
-        let cfg: AutoDecoConfig = serde_json::from_str(&text).map_err(|e| herr(&cpath, format!("invalid AutoDeco config: {e}")))?;
+        let cpath = dir.join(CONFIG_FILE);
+        if cpath.exists() || !dir.join(OFFICIAL_CONFIG_FILE).exists() {
+            let text = std::fs::read_to_string(&cpath).map_err(|e| herr(&cpath, format!("cannot read AutoDeco config ({e})")))?;
+            let cfg: AutoDecoConfig = serde_json::from_str(&text).map_err(|e| herr(&cpath, format!("invalid AutoDeco config: {e}")))?;
+            cfg.validate().map_err(|e| herr(&cpath, e.to_string()))?;
+            let wpath = dir.join(WEIGHTS_FILE);
+            let bytes = std::fs::read(&wpath).map_err(|e| herr(&wpath, format!("cannot read heads weights ({e})")))?;
+            let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| herr(&wpath, format!("not a safetensors file: {e}")))?;
+            return Self::from_tensors(cfg, &wpath, &|name| st.tensor(name).ok().map(|t| (wpath.clone(), t)));
+        }
+        // The reference implementation's layout.
+        let cpath = dir.join(OFFICIAL_CONFIG_FILE);
+        let text = std::fs::read_to_string(&cpath).map_err(|e| herr(&cpath, format!("cannot read ({e})")))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| herr(&cpath, format!("invalid JSON: {e}")))?;
+        if v.get("model_type").and_then(|t| t.as_str()) != Some("autodeco") {
+            return Err(herr(&cpath, format!("not an AutoDeco configuration (model_type {:?}, expected \"autodeco\")", v.get("model_type"))));
+        }
+        for key in ["enable_temperature_head", "enable_top_p_head"] {
+            if v.get(key).and_then(|b| b.as_bool()) == Some(false) {
+                return Err(herr(&cpath, format!("{key} is false: deco needs both heads")));
+            }
+        }
+        let size = |key: &str| v.get(key).and_then(serde_json::Value::as_u64).map(|x| x as usize);
+        let hidden_size = size("temperature_hidden_size")
+            .or_else(|| size("hidden_size"))
+            .ok_or_else(|| herr(&cpath, "no temperature_hidden_size or hidden_size".into()))?;
+        if let Some(p) = size("top_p_hidden_size").filter(|&p| p != hidden_size) {
+            return Err(herr(&cpath, format!("top_p_hidden_size {p} differs from temperature_hidden_size {hidden_size}")));
+        }
+        let vocab_size = size("vocab_size").ok_or_else(|| herr(&cpath, "no vocab_size (the base model's configuration)".into()))?;
+        // Every `*.safetensors` of the directory, in name order (the reference's loader).
+        let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| herr(dir, format!("cannot list ({e})")))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        let mut blobs = Vec::with_capacity(files.len());
+        for f in &files {
+            blobs.push((f.clone(), std::fs::read(f).map_err(|e| herr(f, format!("cannot read ({e})")))?));
+        }
+        let mut parsed = Vec::with_capacity(blobs.len());
+        for (f, b) in &blobs {
+            parsed.push((f.clone(), safetensors::SafeTensors::deserialize(b).map_err(|e| herr(f, format!("not a safetensors file: {e}")))?));
+        }
+        let find = |name: &str| parsed.iter().find_map(|(f, st)| st.tensor(name).ok().map(|t| (f.clone(), t)));
+        let head_hidden_size = match find("temp_head.mlp.0.weight") {
+            Some((_, t)) if t.shape().len() == 2 => t.shape()[0],
+            Some((f, t)) => return Err(herr(&f, format!("tensor `temp_head.mlp.0.weight` has shape {:?}, expected [width, {hidden_size}]", t.shape()))),
+            None => return Err(herr(dir, "missing tensor `temp_head.mlp.0.weight` (no *.safetensors of the directory holds it)".into())),
+        };
+        let cfg = AutoDecoConfig {
+            hidden_size,
+            head_hidden_size,
+            use_enhanced_features: v.get("use_enhanced_features").and_then(|b| b.as_bool()).unwrap_or(true),
+            temp_layer_norm: false,
+            vocab_size,
+            base_model: v.get("base_model_name_or_path").and_then(|b| b.as_str()).map(str::to_string),
+        };
         cfg.validate().map_err(|e| herr(&cpath, e.to_string()))?;
-        let wpath = dir.join(WEIGHTS_FILE);
-        let bytes = std::fs::read(&wpath).map_err(|e| herr(&wpath, format!("cannot read heads weights ({e})")))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| herr(&wpath, format!("not a safetensors file: {e}")))?;
+        Self::from_tensors(cfg, dir, &find)
+    }
+
+    /// The heads of `cfg` from named tensors (`find(name) -> (file, view)`; `source` names where
+    /// a missing tensor was looked for), checked.
+    fn from_tensors<'a>(cfg: AutoDecoConfig, source: &Path, find: &dyn Fn(&str) -> Option<(std::path::PathBuf, TensorView<'a>)>) -> Result<Self> {
+        let herr = |p: &Path, msg: String| Error::Heads { path: p.display().to_string(), msg };
         let get = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-            let t = st.tensor(name).map_err(|_| herr(&wpath, format!("missing tensor `{name}`")))?;
+            let (wpath, t) = find(name).ok_or_else(|| herr(source, format!("missing tensor `{name}`")))?;
             if t.dtype() != Dtype::F32 {
                 return Err(herr(&wpath, format!("tensor `{name}` is {:?}, expected F32", t.dtype())));
             }
@@ -517,6 +637,23 @@ impl HostHeads {
             cfg,
         })
     }
+}
+
+/// Writes `files` (name, bytes) as the directory `dir`, crash-safely
+/// ([`deco_formats::atomic::write_dir`]: a temporary sibling replaces `dir` in one step).
+fn write_files(dir: &Path, files: &[(&str, &[u8])]) -> Result<()> {
+    deco_formats::atomic::write_dir(
+        dir,
+        |tmp| {
+            for (name, bytes) in files {
+                let p = tmp.join(name);
+                std::fs::write(&p, bytes).map_err(io_err(&p))?;
+            }
+            Ok(())
+        },
+        |p, e| io_err(p)(e),
+    )?;
+    Ok(())
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {

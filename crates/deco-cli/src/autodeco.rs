@@ -30,6 +30,29 @@ pub enum AutodecoCommand {
     /// GSM accuracy (pass@k) of one decoding configuration, optionally with AutoDeco heads.
     /// Prints one JSON summary line last.
     Eval(EvalArgs),
+    /// Write heads in the reference implementation's layout (config.json with model_type
+    /// "autodeco" + model.safetensors), loadable by its `AutoDecoModelForCausalLM`. Heads in
+    /// that layout are read by every `--autodeco DIR` as they are.
+    Export(ExportArgs),
+}
+
+/// Options of `deco autodeco export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// Heads directory (either layout).
+    #[arg(long)]
+    heads: PathBuf,
+    /// The base model the heads were trained on (GGUF file or Hugging Face directory): its
+    /// configuration goes into config.json.
+    #[arg(long)]
+    model: PathBuf,
+    /// What the reference loads the base model from (a Hub id such as
+    /// HuggingFaceTB/SmolLM2-135M-Instruct, or a directory). Default: `--model`.
+    #[arg(long)]
+    base_model_name_or_path: Option<String>,
+    /// Output directory (replaced atomically).
+    #[arg(long)]
+    out: PathBuf,
 }
 
 /// Options of `deco autodeco eval`.
@@ -150,7 +173,24 @@ pub fn run(cmd: &AutodecoCommand) -> Result<()> {
     match cmd {
         AutodecoCommand::Train(a) => run_train(a),
         AutodecoCommand::Eval(a) => run_eval(a),
+        AutodecoCommand::Export(a) => run_export(a),
     }
+}
+
+fn run_export(a: &ExportArgs) -> Result<()> {
+    let heads = HostHeads::load(&a.heads).with_context(|| format!("loading heads {}", a.heads.display()))?;
+    let ckpt = deco_formats::checkpoint::Checkpoint::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+    let base = ckpt.config.to_hf_json("float32");
+    let name = a.base_model_name_or_path.clone().unwrap_or_else(|| a.model.display().to_string());
+    heads.export_official(&a.out, &base, &name).with_context(|| format!("exporting to {}", a.out.display()))?;
+    eprintln!(
+        "wrote {} (config.json, model.safetensors): AutoDeco heads for {} (hidden {}, vocabulary {})",
+        a.out.display(),
+        name,
+        heads.config().hidden_size,
+        heads.config().vocab_size
+    );
+    Ok(())
 }
 
 fn bar(len: u64, msg: &str) -> ProgressBar {

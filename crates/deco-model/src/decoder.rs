@@ -328,7 +328,8 @@ impl LinearWeight {
             }
             #[cfg(any(feature = "wgpu", feature = "cuda"))]
             LinearWeight::Device(m) => {
-                // I · Wᵀ: each output is one weight times 1 plus zeros, exact.
+                // I · Wᵀ: each output is one weight times 1 plus zeros, exact. `cols` tokens is
+                // within the kernel's grid (checked by `LinearWeight::packed`).
                 let eye = Tensor::<2>::eye(m.cols(), device);
                 m.matmul(eye).map_err(|e| Error::InvalidInput(e.to_string()))
             }
@@ -336,10 +337,12 @@ impl LinearWeight {
     }
 
     /// The weight of a packed matrix for `device`: on a GPU device (features `wgpu` / `cuda`,
-    /// no autodiff) uploaded for the CubeCL kernel, else kept on the host for the CPU kernels.
+    /// no autodiff) uploaded for the CubeCL kernel when its grid takes the matrix (at most
+    /// `CubePackedMatrix::MAX_ROWS` rows and columns), else kept on the host for the CPU
+    /// kernels.
     pub fn packed(m: PackedMatrix, device: &Device) -> Self {
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        if gpu_kernels(device) {
+        if gpu_kernels(device) && m.rows().max(m.cols()) <= deco_kernels::cube::CubePackedMatrix::MAX_ROWS {
             return LinearWeight::Device(Arc::new(deco_kernels::cube::CubePackedMatrix::upload(&m, device)));
         }
         let _ = device;

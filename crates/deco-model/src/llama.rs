@@ -161,10 +161,12 @@ fn gguf_packed(ckpt: &Checkpoint, hf_name: &str) -> Result<Option<PackedMatrix>>
 impl Llama {
     /// Loads the weights of `ckpt` onto `device`.
     ///
-    /// Linear weights (and the token embedding / LM head) stored in a GGUF file as Q4_0, Q4_1
-    /// or Q8_0 stay in their packed blocks on the host and run on the packed CPU kernels of
-    /// [`deco_kernels::quant`] (f32 activations); every other weight is dequantized to f32 on
-    /// `device`. The packed path is used only when `device` is the CPU (`flex`).
+    /// Linear weights (and the token embedding / LM head) stored in a GGUF file as Q4_0, Q4_1,
+    /// Q5_0, Q8_0, Q4_K or Q6_K stay in their packed blocks: on the host for the packed CPU
+    /// kernels of [`deco_kernels::quant`] when `device` is the CPU (`flex`), in device memory for
+    /// the CubeCL quantized matmul on a GPU device (features `wgpu` / `cuda`; the token
+    /// embedding stays on the host, a row per token is dequantized and uploaded). Every other
+    /// weight, and every weight on an autodiff device, is dequantized to f32 on `device`.
     ///
     /// `max_positions` bounds the RoPE table (and so the usable context); `None` uses the model's
     /// `max_position_embeddings`.

@@ -407,6 +407,10 @@ pub struct CubePackedMatrix {
 }
 
 impl CubePackedMatrix {
+    /// Most rows (output features) and most tokens one [`CubePackedMatrix::matmul`] takes (the
+    /// cube-count limit of 65535 per grid dimension, 4 rows / 4 tokens per cube).
+    pub const MAX_ROWS: usize = 65_535 * (if quant::ROWS < quant::TOKENS { quant::ROWS } else { quant::TOKENS }) as usize;
+
     /// Uploads the packed bytes of `m` to `device`.
     pub fn upload(m: &PackedMatrix, device: &Device) -> Self {
         let bytes = m.as_bytes();
@@ -465,7 +469,7 @@ impl CubePackedMatrix {
         if c != self.cols {
             return Err(Error::Incompatible(format!("quant matmul: x rows of {c} values, W has {} columns", self.cols)));
         }
-        let limit = 65_535 * quant::ROWS.min(quant::TOKENS) as usize;
+        let limit = CubePackedMatrix::MAX_ROWS;
         if self.rows > limit || n > limit {
             return Err(Error::Incompatible(format!(
                 "quant matmul: {} rows x {n} tokens exceeds the cube grid ({limit} each)",
