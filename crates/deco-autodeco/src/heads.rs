@@ -295,17 +295,37 @@ pub struct HostLinear {
 }
 
 impl HostLinear {
+    /// `out = b + x · W` (`x` `[d_in]`, `out` `[d_out]`), the rows of `W` added in input order
+    /// (no fused multiply-add, so every ISA gives the same bits); AVX2 code where the CPU has it.
     fn forward(&self, x: &[f32], out: &mut Vec<f32>) {
         out.clear();
         out.extend_from_slice(&self.b);
-        for (i, &xi) in x.iter().enumerate() {
-            if xi == 0.0 {
-                continue;
-            }
-            let row = &self.w[i * self.d_out..(i + 1) * self.d_out];
-            for (o, &w) in out.iter_mut().zip(row) {
-                *o += xi * w;
-            }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            unsafe { axpy_rows_avx2(&self.w, self.d_out, x, out) };
+            return;
+        }
+        axpy_rows(&self.w, self.d_out, x, out);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn axpy_rows_avx2(w: &[f32], d_out: usize, x: &[f32], out: &mut [f32]) {
+    axpy_rows(w, d_out, x, out);
+}
+
+/// `out += Σ_i x_i · w[i]` over the rows `w[i]` (`d_out` wide) of `w`.
+#[inline(always)]
+fn axpy_rows(w: &[f32], d_out: usize, x: &[f32], out: &mut [f32]) {
+    for (i, &xi) in x.iter().enumerate() {
+        if xi == 0.0 {
+            continue;
+        }
+        let row = &w[i * d_out..(i + 1) * d_out];
+        for (o, &wv) in out.iter_mut().zip(row) {
+            *o += xi * wv;
         }
     }
 }

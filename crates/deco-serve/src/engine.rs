@@ -1258,6 +1258,35 @@ impl Engine {
                 return;
             }
         };
+        // AutoDeco heads of every sampling row of the step at once, in parallel (rows of
+        // sequences with structured output are masked first, so theirs run in `sample_one`).
+        let mut predicted: Vec<Option<deco_autodeco::heads::HeadOutput>> = vec![None; plan.chunks.len()];
+        if let Some(heads) = &self.autodeco {
+            let todo: Vec<(usize, usize)> = plan
+                .chunks
+                .iter()
+                .enumerate()
+                .filter(|(ci, c)| {
+                    c.samples
+                        && !self.machine_seqs.contains_key(&c.seq)
+                        && self.seqs.get(&c.seq).is_some_and(|s| s.constraint.is_none() && self.reqs.get(&s.req).is_some_and(|r| r.use_heads))
+                        && all_hidden.len() >= ranges[*ci].end
+                        && !ranges[*ci].is_empty()
+                })
+                .map(|(ci, _)| (ci, ranges[ci].end - 1))
+                .collect();
+            if !todo.is_empty() {
+                let t = Instant::now();
+                let outs: Vec<(usize, Option<deco_autodeco::heads::HeadOutput>)> = {
+                    use rayon::prelude::*;
+                    todo.par_iter().map(|&(ci, r)| (ci, heads.predict(&all_hidden[r], &all_rows[r]).ok())).collect()
+                };
+                for (ci, o) in outs {
+                    predicted[ci] = o;
+                }
+                self.metrics.autodeco_heads_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
         let mut machine_reqs = Vec::new();
         for (ci, c) in plan.chunks.iter().enumerate() {
             self.sched.computed(c.seq, c.tokens.len());
@@ -1322,7 +1351,7 @@ impl Engine {
             }
             for sid in targets {
                 let mut row = row.clone();
-                if let Err(e) = self.sample_one(sid, &mut row, hidden_row) {
+                if let Err(e) = self.sample_one(sid, &mut row, hidden_row, predicted[ci]) {
                     self.fail(req_id, e.to_string());
                     break;
                 }
@@ -1570,7 +1599,10 @@ impl Engine {
         Ok(m.choices.iter().all(|c| c.done))
     }
 
-    fn sample_one(&mut self, sid: SeqId, row: &mut [f32], hidden: Option<&[f32]>) -> Result<()> {
+    /// Samples the next token of `sid` from its logits `row`; with AutoDeco heads the
+    /// prediction `predicted` made for this row in the step's parallel pass, else computed here
+    /// (after the structured-output mask).
+    fn sample_one(&mut self, sid: SeqId, row: &mut [f32], hidden: Option<&[f32]>, predicted: Option<deco_autodeco::heads::HeadOutput>) -> Result<()> {
         let Some(s) = self.seqs.get_mut(&sid) else { return Ok(()) };
         let Some(r) = self.reqs.get_mut(&s.req) else { return Ok(()) };
         let ctx = ProcessContext::new(&r.prompt, &s.generated, &self.eos);
@@ -1585,8 +1617,14 @@ impl Engine {
         let t_sample = Instant::now();
         let out = match (&self.autodeco, hidden) {
             (Some(heads), Some(h)) if r.use_heads => {
-                let predicted = heads.predict(h, row)?;
-                self.metrics.autodeco_heads_ns.fetch_add(t_sample.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                let predicted = match predicted {
+                    Some(p) if s.constraint.is_none() => p,
+                    _ => {
+                        let p = heads.predict(h, row)?;
+                        self.metrics.autodeco_heads_ns.fetch_add(t_sample.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                        p
+                    }
+                };
                 predicted_tp = Some((predicted.temperature, predicted.top_p));
                 let t = Instant::now();
                 let p = deco_autodeco::decode::combine(&r.params, predicted);
