@@ -119,6 +119,75 @@ pub fn prepare(opts: &Options) -> Result<()> {
     Ok(())
 }
 
+/// Markers of the device-check section of docs/performance.md.
+const BEGIN: &str = "<!-- device check begin -->";
+const END: &str = "<!-- device check end -->";
+
+/// Renders a device check's results (`$OUT` of `run.sh`, brought back by the device tool) as
+/// markdown.
+///
+/// # Errors
+/// A missing or malformed `summary.json`.
+pub fn render(out: &Path) -> Result<String> {
+    let read = |name: &str| std::fs::read_to_string(out.join(name)).unwrap_or_default();
+    let summary: serde_json::Value = serde_json::from_str(&read("summary.json")).with_context(|| format!("{}: no valid summary.json", out.display()))?;
+    let gpu = read("gpu.csv");
+    let gpu = gpu.lines().nth(1).unwrap_or("(not recorded)").trim().to_string();
+    let bw = summary["bandwidth_gb_s"].as_f64().unwrap_or(f64::NAN);
+    let mut md = format!(
+        "Measured by `bash device-check/run.sh` (prepared by `cargo xtask device-check`) on {gpu}; copy bandwidth \
+         (PyTorch device-to-device, bytes read + written) {bw:.0} GB/s. Models: shape clones (real header and \
+         tokenizer, random weights) of SmolLM2-135M-Instruct Q4_1 and Qwen2.5-Coder-1.5B-Instruct Q4_K_M.\n\n\
+         | model | KL CUDA vs CPU (fidelity prompts) | top-1 agreement | prefill tok/s (512) | decode tok/s (batch 1) | weight MB / token | limit tok/s | fraction of limit | 16 streams tok/s | 64 streams tok/s |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n"
+    );
+    for m in ["smollm2", "qwen1.5b"] {
+        let r = &summary[m];
+        if r.is_null() {
+            continue;
+        }
+        let kld = read(&format!("{m}.kld-fidelity.txt"));
+        let field = |k: &str| kld.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or("–").to_string();
+        let f = |k: &str, d: usize| r[k].as_f64().map_or("–".to_string(), |v| format!("{v:.d$}"));
+        let streams = |n: u64| {
+            r["streams"].as_array().and_then(|a| a.iter().find(|s| s["streams"].as_u64() == Some(n))).and_then(|s| s["tok_s"].as_f64()).map_or("–".to_string(), |v| format!("{v:.1}"))
+        };
+        let mb = r["weight_bytes_per_token"].as_f64().map_or("–".to_string(), |b| format!("{:.1}", b / 1e6));
+        let frac = r["fraction_of_limit"].as_f64().map_or("–".to_string(), |v| format!("{:.1} %", 100.0 * v));
+        md.push_str(&format!(
+            "| {m} | {} | {} | {} | {} | {mb} | {} | {frac} | {} | {} |\n",
+            field("kld"),
+            field("top1_agreement"),
+            f("prefill_tok_s", 1),
+            f("decode_tok_s", 1),
+            f("limit_tok_s", 0),
+            streams(16),
+            streams(64)
+        ));
+    }
+    Ok(md)
+}
+
+/// `cargo xtask device-check --record DIR`: writes [`render`]'s table into docs/performance.md
+/// between its device-check markers.
+///
+/// # Errors
+/// [`render`]'s, or docs/performance.md without the markers.
+pub fn record(out: &Path) -> Result<()> {
+    let md = render(out)?;
+    let doc = util::workspace_root().join("docs").join("performance.md");
+    let text = std::fs::read_to_string(&doc).with_context(|| format!("cannot read {}", doc.display()))?;
+    let (Some(b), Some(e)) = (text.find(BEGIN), text.find(END)) else {
+        bail!("{}: no {BEGIN} / {END} markers", doc.display());
+    };
+    let new = format!("{}{BEGIN}\n{md}{}", &text[..b], &text[e..]);
+    let tmp = doc.with_extension("md.tmp");
+    std::fs::write(&tmp, new).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, &doc).with_context(|| format!("cannot replace {}", doc.display()))?;
+    eprintln!("{}: device check results recorded", doc.display());
+    Ok(())
+}
+
 fn folder_bytes(dir: &Path) -> Result<u64> {
     let mut total = 0;
     for e in std::fs::read_dir(dir)? {
@@ -130,6 +199,21 @@ fn folder_bytes(dir: &Path) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::words;
+
+    #[test]
+    fn renders_a_dry_run() {
+        let dir = std::env::temp_dir().join(format!("deco-devcheck-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("gpu.csv"), "name, memory.total\nNVIDIA H200, 143771 MiB\n").expect("write");
+        std::fs::write(dir.join("smollm2.kld-fidelity.txt"), "kld=0.000001\ntop1_agreement=1.0000\n").expect("write");
+        let summary = serde_json::json!({"bandwidth_gb_s": 4300.0, "smollm2": {"weight_bytes_per_token": 96576768, "limit_tok_s": 44524.0,
+            "prefill_tok_s": 5000.0, "decode_tok_s": 900.0, "fraction_of_limit": 0.0202, "streams": [{"streams": 16, "tok_s": 4000.0}]}});
+        std::fs::write(dir.join("summary.json"), summary.to_string()).expect("write");
+        let md = super::render(&dir).expect("render");
+        assert!(md.contains("NVIDIA H200, 143771 MiB"), "{md}");
+        assert!(md.contains("| smollm2 | 0.000001 | 1.0000 | 5000.0 | 900.0 | 96.6 | 44524 | 2.0 % | 4000.0 | – |"), "{md}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn prompts_end_on_a_word() {

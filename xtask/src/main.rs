@@ -147,6 +147,10 @@ enum Cmd {
         /// cudarc's CUDA version for the build (CUDARC_CUDA_VERSION).
         #[arg(long, default_value = cuda::DEFAULT_CUDA_VERSION)]
         cuda_version: String,
+        /// Instead of preparing: write the results of a run (the folder its $OUT came back
+        /// to) into docs/performance.md.
+        #[arg(long, value_name = "DIR")]
+        record: Option<PathBuf>,
     },
     /// Benchmarks.
     Bench {
@@ -477,7 +481,8 @@ fn real_main() -> Result<()> {
             target_dir,
             cuda_version,
         }),
-        Cmd::DeviceCheck { cache, deco_bin, cuda_version } => device_check::prepare(&device_check::Options {
+        Cmd::DeviceCheck { record: Some(dir), .. } => device_check::record(&dir),
+        Cmd::DeviceCheck { cache, deco_bin, cuda_version, record: None } => device_check::prepare(&device_check::Options {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
             no_mirror: cache.no_mirror,
             deco_bin,
