@@ -110,20 +110,20 @@ here, out = sys.argv[1:3]
 try:
     bw = json.load(open(f"{out}/bandwidth.json"))["gb_s"] * 1e9
 except Exception:
-    bw = float("nan")  # no GPU: a dry run
-res = {"bandwidth_gb_s": bw / 1e9}
+    bw = None  # no GPU: a dry run
+res = {"bandwidth_gb_s": bw / 1e9 if bw else None}
 for m in os.environ.get("MODELS", "smollm2 qwen1.5b").split():
     head = open(f"{here}/{m}.header", "rb").read()
     tensors, _, _ = g.parse(head)
     # The token embedding is read one row per token; a tied head reads it whole.
     tied = not any(n == "output.weight" for n, *_ in tensors)
     per_token = sum(g.nbytes(d, t) for name, d, t, _ in tensors if name != "token_embd.weight" or tied)
-    r = {"weight_bytes_per_token": per_token, "limit_tok_s": bw / per_token}
+    r = {"weight_bytes_per_token": per_token, "limit_tok_s": bw / per_token if bw else None}
     try:
         stats = [dict(kv.split("=") for kv in l.split()[1:]) for l in open(f"{out}/{m}.batch1.txt")]
         r["prefill_tok_s"] = statistics.median(float(s["prompt_tok_s"]) for s in stats)
         r["decode_tok_s"] = statistics.median(float(s["decode_tok_s"]) for s in stats)
-        r["fraction_of_limit"] = r["decode_tok_s"] / r["limit_tok_s"]
+        r["fraction_of_limit"] = r["decode_tok_s"] / r["limit_tok_s"] if r["limit_tok_s"] else None
     except Exception as e:
         r["batch1_error"] = str(e)
     try:

@@ -133,10 +133,10 @@ pub fn render(out: &Path) -> Result<String> {
     let summary: serde_json::Value = serde_json::from_str(&read("summary.json")).with_context(|| format!("{}: no valid summary.json", out.display()))?;
     let gpu = read("gpu.csv");
     let gpu = gpu.lines().nth(1).unwrap_or("(not recorded)").trim().to_string();
-    let bw = summary["bandwidth_gb_s"].as_f64().unwrap_or(f64::NAN);
+    let bw = summary["bandwidth_gb_s"].as_f64().map_or("not measured".to_string(), |b| format!("{b:.0} GB/s"));
     let mut md = format!(
         "Measured by `bash device-check/run.sh` (prepared by `cargo xtask device-check`) on {gpu}; copy bandwidth \
-         (PyTorch device-to-device, bytes read + written) {bw:.0} GB/s. Models: shape clones (real header and \
+         (PyTorch device-to-device, bytes read + written) {bw}. Models: shape clones (real header and \
          tokenizer, random weights) of SmolLM2-135M-Instruct Q4_1 and Qwen2.5-Coder-1.5B-Instruct Q4_K_M.\n\n\
          | model | KL CUDA vs CPU (fidelity prompts) | top-1 agreement | prefill tok/s (512) | decode tok/s (batch 1) | weight MB / token | limit tok/s | fraction of limit | 16 streams tok/s | 64 streams tok/s |\n\
          |---|---|---|---|---|---|---|---|---|---|\n"
