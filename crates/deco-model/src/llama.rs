@@ -554,14 +554,10 @@ impl Llama {
         let (heads, hd) = (cfg.num_attention_heads, cfg.head_dim);
         let qrow = heads * hd;
         let decode: Vec<usize> = (0..batch.spans.len()).filter(|&i| batch.spans[i].len == 1).collect();
-        let mut prefill_out: Vec<Option<Tensor<2>>> = vec![None; batch.spans.len()];
-        for (i, (inp, sp)) in inputs.iter().zip(&batch.spans).enumerate() {
-            if sp.len == 1 {
-                cache.append_device(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
-            } else {
-                let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
-                prefill_out[i] = Some(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
-            }
+        let prefill_out = multi_token_attention(li, &q, &k, &v, batch, inputs, cache)?;
+        for &i in &decode {
+            let sp = &batch.spans[i];
+            cache.append_device(li, inputs[i].seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
         }
         let cache = &*cache;
         let views = decode
@@ -573,13 +569,13 @@ impl Llama {
                     .ok_or_else(|| Error::InvalidInput(format!("KV cache has no device view of sequence {seq} at layer {li}")))
             })
             .collect::<Result<Vec<_>>>()?;
-        let (Some(first), true) = (views.first(), decode.len() == views.len()) else {
+        let Some(first) = views.first() else {
             return Err(Error::InvalidInput("device paged attention without decode sequences".into()));
         };
         let (kc, vc) = (first.k.clone(), first.v.clone());
         let seqs: Vec<deco_kernels::cube::PagedSeq<'_>> =
             views.iter().map(|w| deco_kernels::cube::PagedSeq { block_table: w.block_table, len: w.len }).collect();
-        let qd = if decode.len() == batch.spans.len() && batch.n == decode.len() {
+        let qd = if decode.len() == batch.spans.len() {
             q
         } else {
             let idx: Vec<i64> = decode.iter().map(|&i| batch.spans[i].start as i64).collect();
@@ -614,14 +610,7 @@ impl Llama {
         let (qrow, kvrow) = (heads * hd, kvh * hd);
         let decode: Vec<usize> = (0..batch.spans.len()).filter(|&i| batch.spans[i].len == 1).collect();
         let all_decode = decode.len() == batch.spans.len();
-        // The prefill sequences first, through the burn path (their rows are kept by index).
-        let mut prefill_out: Vec<Option<Tensor<2>>> = vec![None; batch.spans.len()];
-        for (i, (inp, sp)) in inputs.iter().zip(&batch.spans).enumerate() {
-            if sp.len != 1 {
-                let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
-                prefill_out[i] = Some(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
-            }
-        }
+        let prefill_out = multi_token_attention(li, &q, &k, &v, batch, inputs, cache)?;
         let (qh, kh, vh) = (to_host(q)?, to_host(k)?, to_host(v)?);
         for &i in &decode {
             let r = batch.spans[i].start;
@@ -646,9 +635,6 @@ impl Llama {
         paged_decode_attention(&qd, AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd }, &views, &mut out)
             .map_err(|e| Error::InvalidInput(format!("decode attention: {e}")))?;
         let fused = Tensor::from_data(TensorData::new(out, [decode.len(), qrow]), &self.device);
-        if all_decode {
-            return Ok(fused);
-        }
         Ok(interleave(prefill_out, fused))
     }
 
@@ -676,6 +662,29 @@ impl Llama {
         };
         ForwardOutput { logits, hidden, rows: ranges }
     }
+}
+
+/// Attention of the batch's multi-token sequences (prefill chunks, speculative verification)
+/// through the burn path: their keys and values appended with [`KvCache::append`], then causal
+/// attention over the gathered cache. `Some([len, heads · head_dim])` per such sequence, `None`
+/// for the one-token sequences (the caller's decode kernel attends those).
+fn multi_token_attention(
+    li: usize,
+    q: &Tensor<3>,
+    k: &Tensor<3>,
+    v: &Tensor<3>,
+    batch: &Batch,
+    inputs: &[SeqInput<'_>],
+    cache: &mut dyn KvCache,
+) -> Result<Vec<Option<Tensor<2>>>> {
+    let mut out = vec![None; batch.spans.len()];
+    for (i, (inp, sp)) in inputs.iter().zip(&batch.spans).enumerate() {
+        if sp.len != 1 {
+            let (kall, vall) = cache.append(li, inp.seq, batch.rows(k, sp), batch.rows(v, sp))?;
+            out[i] = Some(causal_gqa_attention(batch.rows(q, sp), kall, vall, sp.past));
+        }
+    }
+    Ok(out)
 }
 
 /// The attention outputs of a batch in batch order: each sequence's rows from `prefill`

@@ -1617,9 +1617,11 @@ impl Engine {
         let t_sample = Instant::now();
         let out = match (&self.autodeco, hidden) {
             (Some(heads), Some(h)) if r.use_heads => {
+                // The step's parallel pass skipped rows with structured output (`predicted` is
+                // None there), so a given prediction is for this very (unmasked) row.
                 let predicted = match predicted {
-                    Some(p) if s.constraint.is_none() => p,
-                    _ => {
+                    Some(p) => p,
+                    None => {
                         let p = heads.predict(h, row)?;
                         self.metrics.autodeco_heads_ns.fetch_add(t_sample.elapsed().as_nanos() as u64, Ordering::Relaxed);
                         p
