@@ -135,3 +135,31 @@ fn committed_smollm2_heads_beat_untrained_heads_on_eval_answers() {
     let (ft, fp) = deco_autodeco::train::evaluate(&fresh, &cfg, &pool, &rows, &head, &lc, &device).expect("fresh");
     assert!(tt + tp < 0.8 * (ft + fp), "trained {} vs untrained {}", tt + tp, ft + fp);
 }
+
+/// The meta-instruction stage on the real model: from the committed heads, a short ranking stage
+/// on training phrasings orders T for held-out questions with held-out phrasings.
+#[test]
+fn meta_instruction_stage_orders_temperature_on_heldout_phrasings() {
+    use deco_autodeco::meta::{MetaConfig, Phrasings, collect_meta, measure, train_meta};
+    let (model, tok) = load();
+    let stage_one = deco_autodeco::HostHeads::load(&deco_tests::workspace_root().join("assets/autodeco/smollm2-135m-instruct-gsm")).expect("committed heads");
+    let template = ChatTemplate::new(tok.chat_template().expect("template")).expect("template");
+    let items = read_gsm_jsonl(&asset("data/gsm_train.jsonl")).expect("data");
+    let indexed: Vec<_> = items.iter().enumerate().take(14).collect();
+    let train_pool = collect_meta(&model, &tok, &template, &indexed[..10], Phrasings::TrainOnePerPrompt, 12, 0, &mut |_, _| {}).expect("train pool");
+    let held_pool = collect_meta(&model, &tok, &template, &indexed[10..], Phrasings::HeldOutAll, 12, 0, &mut |_, _| {}).expect("held pool");
+    assert!(train_pool.iter().all(|q| q.low.len() == 1 && q.high.len() == 1 && q.rows == 12));
+    assert!(held_pool.iter().all(|q| q.low.len() == 3 && q.high.len() == 3));
+    let head = FrozenHead { weight: model.lm_head().clone(), device: model.device().clone() };
+    let logits = |h: &[f32], n: usize| head.logits(h, n);
+    let (before, _) = measure(&stage_one, &held_pool, &logits).expect("measure");
+    let mc = MetaConfig { steps: 60, ..MetaConfig::default() };
+    let (heads, _) = train_meta(&stage_one, &train_pool, &head, &mc, &mut |_| {}).expect("train");
+    let (after, _) = measure(&heads, &held_pool, &logits).expect("measure");
+    assert!(after.frac_t_order >= 0.9 && after.frac_t_order > before.frac_t_order, "order {} -> {}", before.frac_t_order, after.frac_t_order);
+    assert!(after.delta_t_low <= -0.05 && after.delta_t_high >= 0.05, "{after:?}");
+    // Heads for another model are refused.
+    let other = deco_autodeco::heads::AutoDecoConfig::new(64, model.config.vocab_size);
+    let wrong = AutoDecoHeads::init(&other, &Device::flex()).expect("init").to_host(&other).expect("host");
+    assert!(train_meta(&wrong, &train_pool, &head, &mc, &mut |_| {}).is_err());
+}

@@ -36,24 +36,43 @@ pub struct Options {
     pub grid_problems: usize,
     /// Problems of the meta-instruction measurement.
     pub meta_problems: usize,
-    /// Qwen2.5-Coder-0.5B problems (0 = skip).
+    /// Skip the SmolLM2-135M part (its block of docs/autodeco.md stays as it is).
+    pub skip_smollm2: bool,
+    /// Qwen2.5-Coder-0.5B scored problems (the first N of gsm_eval; 0 = skip).
     pub qwen_problems: usize,
+    /// Qwen: samples per problem of the sampled configurations.
+    pub qwen_n: usize,
+    /// Qwen: maximum new tokens per answer.
+    pub qwen_max_new_tokens: usize,
+    /// Qwen: tuning grid (temperatures x top-ps) and its problems, taken right after the scored
+    /// ones (disjoint from them).
+    pub qwen_grid_temperatures: Vec<f32>,
+    pub qwen_grid_top_ps: Vec<f32>,
+    pub qwen_grid_problems: usize,
+    /// Qwen: steps of the meta-instruction ranking stage.
+    pub meta_steps: usize,
+    /// Qwen2.5-Coder-1.5B: scored problems (0 = skip), samples per problem, head training
+    /// examples and steps (no tuning grid or meta stage: the CPU time goes to the table).
+    pub qwen15b_problems: usize,
+    pub qwen15b_n: usize,
+    pub qwen15b_train_examples: usize,
+    pub qwen15b_steps: usize,
     /// Qwen heads: training examples and steps.
     pub qwen_train_examples: usize,
     pub qwen_steps: usize,
     pub deco_bin: Option<PathBuf>,
 }
 
-struct Runner {
-    bin: PathBuf,
-    results: PathBuf,
-    data: PathBuf,
+pub(crate) struct Runner {
+    pub(crate) bin: PathBuf,
+    pub(crate) results: PathBuf,
+    pub(crate) data: PathBuf,
 }
 
 impl Runner {
     /// Runs `deco autodeco eval` with `args` unless `<results>/<label>.json` holds a summary of
     /// the same arguments; returns the summary.
-    fn eval(&self, label: &str, model: &Path, args: &[String]) -> Result<Value> {
+    pub(crate) fn eval(&self, label: &str, model: &Path, args: &[String]) -> Result<Value> {
         let file = self.results.join(format!("{label}.json"));
         let key = json!({"model": model, "args": args});
         if let Ok(text) = fs::read_to_string(&file)
@@ -82,7 +101,7 @@ impl Runner {
     }
 }
 
-fn s(x: impl ToString) -> String {
+pub(crate) fn s(x: impl ToString) -> String {
     x.to_string()
 }
 
@@ -92,10 +111,38 @@ fn pass(v: &Value, k: usize) -> f64 {
 
 pub fn run(o: &Options) -> Result<()> {
     fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![fetch::What::Model, fetch::What::Data] })?;
+    let bin = bench::deco_binary(o.deco_bin.as_deref())?;
+    if !o.skip_smollm2 {
+        run_smollm2(o, &bin)?;
+    }
+    if o.qwen_problems > 0 {
+        crate::autodeco_qwen::run(o, &bin, &crate::autodeco_qwen::QwenRun::small(o))?;
+    }
+    if o.qwen15b_problems > 0 {
+        crate::autodeco_qwen::run(o, &bin, &crate::autodeco_qwen::QwenRun::large(o))?;
+    }
+    Ok(())
+}
+
+/// Replaces the text between `begin` and `end` in `path` with `md` (appends the block when the
+/// markers are missing).
+pub(crate) fn write_block(path: &Path, begin: &str, end: &str, md: &str) -> Result<()> {
+    let old = fs::read_to_string(path).unwrap_or_default();
+    let new = match (old.find(begin), old.find(end)) {
+        (Some(b), Some(e)) if e > b => format!("{}{begin}\n{md}\n{}", &old[..b], &old[e..]),
+        _ => format!("{old}\n{begin}\n{md}\n{end}\n"),
+    };
+    let tmp = path.with_extension("md.tmp");
+    fs::write(&tmp, new)?;
+    fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+fn run_smollm2(o: &Options, bin: &Path) -> Result<()> {
     let model = o.cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let train_data = o.cache.join("data/gsm_train.jsonl");
     let eval_data = o.cache.join("data/gsm_eval.jsonl");
-    let bin = bench::deco_binary(o.deco_bin.as_deref())?;
+    let bin = bin.to_path_buf();
     let root = o.cache.join("autodeco");
     let results = root.join("results");
     fs::create_dir_all(&results)?;
@@ -189,44 +236,7 @@ pub fn run(o: &Options) -> Result<()> {
     a.extend([s("--temperature"), s(bt), s("--top-p"), s(bp)]);
     let oracle = r.eval("oracle", &model, &a)?;
     rows.push((format!("best static (T = {bt}, top_p = {bp}; oracle)"), format!("{} problems, n = {}", o.sample_problems, o.n), oracle.clone()));
-    // Qwen (optional).
-    let mut qwen_rows: Vec<(String, String, Value)> = Vec::new();
-    let mut qwen_train = None;
-    if o.qwen_problems > 0 {
-        fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![fetch::What::Qwen05b] })?;
-        let q = o.cache.join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-        let qheads = root.join("qwen05b-gsm");
-        let qstamp = root.join("qwen05b-gsm.args.json");
-        let qargs: Vec<String> = vec![
-            s("--steps"), s(o.qwen_steps), s("--max-examples"), s(o.qwen_train_examples), s("--heldout-examples"), s(8), s("--eval-every"), s(25), s("--seed"), s(0),
-        ];
-        let fresh = fs::read_to_string(&qstamp).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()) == Some(json!(qargs));
-        if !(fresh && qheads.join("autodeco_heads.safetensors").is_file()) {
-            let mut cmd = Command::new(&bin);
-            cmd.args(["autodeco", "train", "--model"]).arg(&q).arg("--data").arg(&train_data).arg("--out").arg(&qheads).args(&qargs);
-            eprintln!("bench autodeco: {}", util::show(&cmd));
-            let out = cmd.stderr(std::process::Stdio::piped()).output()?;
-            let err = String::from_utf8_lossy(&out.stderr).to_string();
-            if !out.status.success() {
-                bail!("deco autodeco train (qwen) failed: {}\n{err}", out.status);
-            }
-            fs::write(root.join("qwen05b-gsm.train.log"), &err)?;
-            fs::write(&qstamp, serde_json::to_string(&qargs)?)?;
-        }
-        qwen_train = fs::read_to_string(root.join("qwen05b-gsm.train.log")).ok().and_then(|t| t.lines().rev().find(|l| l.contains("heldout_loss_after")).map(str::to_string));
-        let qn = o.n.min(2);
-        let mut a = common(1, o.qwen_problems);
-        a.extend([s("--temperature"), s(0)]);
-        qwen_rows.push(("greedy".into(), format!("{} problems, n = 1", o.qwen_problems), r.eval("qwen-greedy", &q, &a)?));
-        let mut a = common(qn, o.qwen_problems);
-        a.extend([s("--temperature"), s(1), s("--top-p"), s(1)]);
-        qwen_rows.push(("default sampling (T = 1, top_p = 1)".into(), format!("{} problems, n = {qn}", o.qwen_problems), r.eval("qwen-default", &q, &a)?));
-        let mut a = common(qn, o.qwen_problems);
-        a.extend([s("--temperature"), s(1), s("--top-p"), s(1), s("--heads")]);
-        a.push(qheads.display().to_string());
-        qwen_rows.push(("AutoDeco (user T = 1, top_p = 1)".into(), format!("{} problems, n = {qn}", o.qwen_problems), r.eval("qwen-autodeco", &q, &a)?));
-    }
-    let md = render(o, &rows, &grid, &meta, &qwen_rows, qwen_train.as_deref(), &latency);
+    let md = render(o, &rows, &grid, &meta, &latency);
     let docs = util::workspace_root().join("docs");
     fs::create_dir_all(docs.join("autodeco"))?;
     let loss_svg = heads.join("loss.svg");
@@ -238,15 +248,7 @@ pub fn run(o: &Options) -> Result<()> {
         fs::copy(&loss_csv, docs.join("autodeco/loss.csv"))?;
     }
     plot_passk(&docs.join("autodeco/passk.svg"), &rows)?;
-    let path = docs.join("autodeco.md");
-    let old = fs::read_to_string(&path).unwrap_or_default();
-    let begin = "<!-- bench autodeco begin -->";
-    let end = "<!-- bench autodeco end -->";
-    let new = match (old.find(begin), old.find(end)) {
-        (Some(b), Some(e)) if e > b => format!("{}{begin}\n{md}\n{}", &old[..b], &old[e..]),
-        _ => format!("{old}\n{begin}\n{md}\n{end}\n"),
-    };
-    fs::write(&path, new)?;
+    write_block(&docs.join("autodeco.md"), "<!-- bench autodeco begin -->", "<!-- bench autodeco end -->", &md)?;
     println!("{md}");
     Ok(())
 }
@@ -256,8 +258,6 @@ fn render(
     rows: &[(String, String, Value)],
     grid: &[(f32, f32, f64)],
     meta: &[(&str, Option<&str>, Value)],
-    qwen: &[(String, String, Value)],
-    qwen_train: Option<&str>,
     latency: &Value,
 ) -> String {
     let mut ks = vec![1usize];
@@ -315,15 +315,6 @@ fn render(
             v["mean_P"].as_f64().unwrap_or(f64::NAN)
         ));
     }
-    if !qwen.is_empty() {
-        md.push_str(&format!(
-            "\nQwen2.5-Coder-0.5B-Instruct Q4_K_M (heads trained on its first {} GSM train problems, {} steps{}):\n\n",
-            o.qwen_train_examples,
-            o.qwen_steps,
-            qwen_train.map_or(String::new(), |l| format!("; `{}`", l.trim()))
-        ));
-        md.push_str(&table(qwen, o.n.min(2)));
-    }
     md.push_str("\nRaw summaries and every output: `<cache>/autodeco/results/` (`.cache/` or `$DECO_CACHE`).\n");
     md
 }
@@ -354,7 +345,7 @@ fn table(rows: &[(String, String, Value)], n: usize) -> String {
     md
 }
 
-fn date() -> String {
+pub(crate) fn date() -> String {
     Command::new("date").arg("-u").arg("+%Y-%m-%d").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
 }
 

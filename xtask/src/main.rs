@@ -16,6 +16,7 @@
 //! * `bench serve` — serving throughput at 1-64 streams, latency, load test into docs/serving.md.
 
 mod autodeco;
+mod autodeco_qwen;
 mod bench;
 mod compress;
 mod cuda;
@@ -59,6 +60,8 @@ struct CacheArgs {
     no_mirror: bool,
 }
 
+// Parsed once per run: the size of the largest variant (bench autodeco's options) costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Fetch model/data/golden/tokenizer-test files into the cache (sha256 checked).
@@ -264,16 +267,51 @@ enum BenchCmd {
         /// Problems of the meta-instruction measurement.
         #[arg(long, default_value_t = 40)]
         meta_problems: usize,
-        /// Qwen2.5-Coder-0.5B problems for greedy, default sampling and AutoDeco (0 = skip;
-        /// fetches ~0.5 GB and trains heads for it).
+        /// Skip the SmolLM2-135M part (its block of docs/autodeco.md stays).
+        #[arg(long)]
+        skip_smollm2: bool,
+        /// Qwen2.5-Coder-0.5B: scored problems (the first N of gsm_eval) for greedy, default
+        /// sampling, the tuned best static and AutoDeco, with bootstrap intervals; then the
+        /// meta-instruction stage and the head cost (0 = skip; fetches ~0.5 GB).
         #[arg(long, default_value_t = 0)]
         qwen_problems: usize,
+        /// Qwen: samples per problem.
+        #[arg(long, default_value_t = 4)]
+        qwen_n: usize,
+        /// Qwen: maximum new tokens per answer (its worked answers run 200–300 tokens).
+        #[arg(long, default_value_t = 320)]
+        qwen_max_new_tokens: usize,
+        /// Qwen tuning grid temperatures.
+        #[arg(long, value_delimiter = ',', default_value = "0.3,0.6,1.0")]
+        qwen_grid_temperatures: Vec<f32>,
+        /// Qwen tuning grid top-ps.
+        #[arg(long, value_delimiter = ',', default_value = "0.9,1.0")]
+        qwen_grid_top_ps: Vec<f32>,
+        /// Qwen tuning problems (n = 1 each), taken right after the scored ones.
+        #[arg(long, default_value_t = 32)]
+        qwen_grid_problems: usize,
         /// Training examples of the Qwen heads.
-        #[arg(long, default_value_t = 48)]
+        #[arg(long, default_value_t = 96)]
         qwen_train_examples: usize,
         /// Training steps of the Qwen heads.
-        #[arg(long, default_value_t = 200)]
+        #[arg(long, default_value_t = 400)]
         qwen_steps: usize,
+        /// Steps of the meta-instruction ranking stage (Qwen heads).
+        #[arg(long, default_value_t = 300)]
+        meta_steps: usize,
+        /// Qwen2.5-Coder-1.5B: scored problems for greedy, default sampling and AutoDeco (0 =
+        /// skip; fetches ~1.1 GB and trains heads for it).
+        #[arg(long, default_value_t = 0)]
+        qwen15b_problems: usize,
+        /// Qwen2.5-Coder-1.5B: samples per problem.
+        #[arg(long, default_value_t = 2)]
+        qwen15b_n: usize,
+        /// Qwen2.5-Coder-1.5B: head training examples.
+        #[arg(long, default_value_t = 48)]
+        qwen15b_train_examples: usize,
+        /// Qwen2.5-Coder-1.5B: head training steps.
+        #[arg(long, default_value_t = 200)]
+        qwen15b_steps: usize,
         /// Use this deco binary instead of building deco-cli (release).
         #[arg(long, value_name = "PATH")]
         deco_bin: Option<PathBuf>,
@@ -410,9 +448,20 @@ fn real_main() -> Result<()> {
                     grid_top_ps,
                     grid_problems,
                     meta_problems,
+                    skip_smollm2,
                     qwen_problems,
+                    qwen_n,
+                    qwen_max_new_tokens,
+                    qwen_grid_temperatures,
+                    qwen_grid_top_ps,
+                    qwen_grid_problems,
                     qwen_train_examples,
                     qwen_steps,
+                    meta_steps,
+                    qwen15b_problems,
+                    qwen15b_n,
+                    qwen15b_train_examples,
+                    qwen15b_steps,
                     deco_bin,
                 },
         } => autodeco::run(&autodeco::Options {
@@ -429,9 +478,20 @@ fn real_main() -> Result<()> {
             grid_top_ps,
             grid_problems,
             meta_problems,
+            skip_smollm2,
             qwen_problems,
+            qwen_n,
+            qwen_max_new_tokens,
+            qwen_grid_temperatures,
+            qwen_grid_top_ps,
+            qwen_grid_problems,
             qwen_train_examples,
             qwen_steps,
+            meta_steps,
+            qwen15b_problems,
+            qwen15b_n,
+            qwen15b_train_examples,
+            qwen15b_steps,
             deco_bin,
         }),
         Cmd::Bench { which: BenchCmd::Quant { cache, nsamples, seqlen, ppl_windows, threads, only, deco_bin } } => {

@@ -1,7 +1,9 @@
 //! GSM evaluation helpers: answer extraction and the unbiased pass@k estimator.
 
 /// The number a model's output answers with: the number after the last `####` if there is one,
-/// else the last number in the text. Commas inside numbers and a trailing `.` are removed, `$`
+/// else the last number inside the last `\boxed{...}` (the form Qwen2.5 and most math-tuned
+/// models answer in; as the Qwen2.5-Math evaluation's `extract_answer`), else the last number in
+/// the text. Commas inside numbers and a trailing `.` are removed, `$`
 /// and `%` ignored; returns the normalized number text (e.g. `"1250"`, `"-3.5"`).
 pub fn extract_answer(output: &str) -> Option<String> {
     let tail = match output.rfind("####") {
@@ -14,6 +16,26 @@ pub fn extract_answer(output: &str) -> Option<String> {
         }
         None => output,
     };
+    if let Some(i) = tail.rfind("\\boxed{") {
+        let inner = &tail[i + "\\boxed{".len()..];
+        // The braces' content, nested braces included (`\boxed{\frac{1}{2}}`); an unclosed box
+        // (a cut-off answer) runs to the end.
+        let mut depth = 1usize;
+        let end = inner
+            .char_indices()
+            .find(|&(_, c)| {
+                match c {
+                    '{' => depth += 1,
+                    '}' => depth -= 1,
+                    _ => {}
+                }
+                depth == 0
+            })
+            .map_or(inner.len(), |(j, _)| j);
+        if let Some(n) = numbers(&inner[..end]).pop() {
+            return Some(n);
+        }
+    }
     numbers(tail).pop()
 }
 
@@ -99,6 +121,10 @@ mod tests {
         assert_eq!(extract_answer("drops to -3 degrees").as_deref(), Some("-3"));
         assert_eq!(extract_answer("no numbers"), None);
         assert_eq!(extract_answer("#### 12 then 13").as_deref(), Some("12"));
+        assert_eq!(extract_answer("is \\(\\boxed{1,200}\\) minutes, not 3").as_deref(), Some("1200"));
+        assert_eq!(extract_answer("\\boxed{5} then \\boxed{\\frac{7}{2}} step 9").as_deref(), Some("2"));
+        assert_eq!(extract_answer("\\[ \\boxed{120").as_deref(), Some("120"));
+        assert_eq!(extract_answer("\\boxed{x} so 4").as_deref(), Some("4"));
         assert!(is_correct("she has 10%", "10"));
         assert!(!is_correct("she has 11", "10"));
     }

@@ -34,6 +34,57 @@ pub enum AutodecoCommand {
     /// "autodeco" + model.safetensors), loadable by its `AutoDecoModelForCausalLM`. Heads in
     /// that layout are read by every `--autodeco DIR` as they are.
     Export(ExportArgs),
+    /// The meta-instruction stage: fine-tune trained heads with a ranking loss so that a "low
+    /// randomness" instruction lowers the predicted T and P and a "creative" one raises them;
+    /// measured before and after on held-out questions and held-out phrasings.
+    MetaTrain(Box<MetaTrainArgs>),
+}
+
+/// Options of `deco autodeco meta-train`.
+#[derive(Debug, Args)]
+pub struct MetaTrainArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Stage-one heads directory (either layout), trained on this model.
+    #[arg(long)]
+    heads: PathBuf,
+    /// JSONL questions with worked answers (`question`, `answer`), e.g. gsm_train.jsonl.
+    #[arg(long)]
+    data: PathBuf,
+    /// Output heads directory (replaced atomically; holds meta_report.json, meta_log.csv and
+    /// meta_trace.svg besides the heads).
+    #[arg(long)]
+    out: PathBuf,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    steps: usize,
+    /// Questions per step (one answer position each, in the three variants).
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 5e-4)]
+    learning_rate: f64,
+    /// Margin of the temperature ranking.
+    #[arg(long, default_value_t = 0.2)]
+    margin_t: f32,
+    /// Margin of the top-p ranking.
+    #[arg(long, default_value_t = 0.02)]
+    margin_p: f32,
+    /// Weight of the anchor to the stage-one predictions without an instruction.
+    #[arg(long, default_value_t = 1.0)]
+    anchor_weight: f32,
+    /// Seed (phrasing choice, question and position sampling).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Training questions (the first N of --data).
+    #[arg(long, default_value_t = 96)]
+    max_examples: usize,
+    /// Held-out questions (the next N), measured with the held-out phrasings.
+    #[arg(long, default_value_t = 32)]
+    heldout_examples: usize,
+    /// Answer positions kept per question (teacher-forced on the reference answer).
+    #[arg(long, default_value_t = 32)]
+    max_positions: usize,
 }
 
 /// Options of `deco autodeco export`.
@@ -174,6 +225,7 @@ pub fn run(cmd: &AutodecoCommand) -> Result<()> {
         AutodecoCommand::Train(a) => run_train(a),
         AutodecoCommand::Eval(a) => run_eval(a),
         AutodecoCommand::Export(a) => run_export(a),
+        AutodecoCommand::MetaTrain(a) => run_meta_train(a),
     }
 }
 
@@ -329,6 +381,107 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         train_pool.len()
     );
     println!("{}", a.out.display());
+    Ok(())
+}
+
+fn run_meta_train(a: &MetaTrainArgs) -> Result<()> {
+    use deco_autodeco::meta::{self, MetaConfig, Phrasings};
+
+    let mc = MetaConfig {
+        steps: a.steps,
+        batch_size: a.batch_size,
+        learning_rate: a.learning_rate,
+        margin_t: a.margin_t,
+        margin_p: a.margin_p,
+        anchor_weight: a.anchor_weight,
+        seed: a.seed,
+    };
+    mc.validate()?;
+    if a.max_examples == 0 || a.heldout_examples == 0 || a.max_positions == 0 {
+        bail!("--max-examples, --heldout-examples and --max-positions must be at least 1");
+    }
+    let stage_one = HostHeads::load(&a.heads).with_context(|| format!("loading heads {}", a.heads.display()))?;
+    let items = read_gsm_jsonl(&a.data)?;
+    if items.len() < a.max_examples + a.heldout_examples {
+        bail!("{}: {} questions, --max-examples {} + --heldout-examples {} needed", a.data.display(), items.len(), a.max_examples, a.heldout_examples);
+    }
+    let (model, tok) = crate::runtime::load(&a.model)?;
+    if stage_one.config().hidden_size != model.config.hidden_size || stage_one.config().vocab_size != model.config.vocab_size {
+        bail!(
+            "{}: heads for hidden {} / vocab {}, the model has {} / {}",
+            a.heads.display(),
+            stage_one.config().hidden_size,
+            stage_one.config().vocab_size,
+            model.config.hidden_size,
+            model.config.vocab_size
+        );
+    }
+    let source = tok.chat_template().context("the model has no chat template")?;
+    let template = ChatTemplate::new(source)?;
+    let indexed: Vec<(usize, &deco_autodeco::data::GsmItem)> = items.iter().enumerate().take(a.max_examples + a.heldout_examples).collect();
+    let t0 = Instant::now();
+    let pb = bar((a.max_examples + a.heldout_examples) as u64, "hidden");
+    let mut cb = |d: usize, _t: usize| pb.set_position(d as u64);
+    let train_pool = meta::collect_meta(&model, &tok, &template, &indexed[..a.max_examples], Phrasings::TrainOnePerPrompt, a.max_positions, a.seed, &mut cb)?;
+    let mut cb2 = |d: usize, _t: usize| pb.set_position((a.max_examples + d) as u64);
+    let held_pool = meta::collect_meta(&model, &tok, &template, &indexed[a.max_examples..], Phrasings::HeldOutAll, a.max_positions, a.seed, &mut cb2)?;
+    pb.finish();
+    let collect_s = t0.elapsed().as_secs_f64();
+    let head = FrozenHead { weight: model.lm_head().clone(), device: model.device().clone() };
+    let logits = |h: &[f32], n: usize| head.logits(h, n);
+    let (before, trace_before) = meta::measure(&stage_one, &held_pool, &logits)?;
+    let pb = bar(a.steps as u64, "rank");
+    let t1 = Instant::now();
+    let mut progress = |r: &meta::MetaLogRow| {
+        pb.set_position(r.step as u64);
+        pb.set_prefix(format!("rank T {:.4} P {:.4} anchor {:.5}", r.rank_t, r.rank_p, r.anchor));
+    };
+    let (heads, log) = meta::train_meta(&stage_one, &train_pool, &head, &mc, &mut progress)?;
+    pb.finish();
+    let train_s = t1.elapsed().as_secs_f64();
+    let (after, trace_after) = meta::measure(&heads, &held_pool, &logits)?;
+    let mut csv = String::from("step,rank_t,rank_p,anchor\n");
+    for r in &log {
+        csv.push_str(&format!("{},{:.6},{:.6},{:.6}\n", r.step, r.rank_t, r.rank_p, r.anchor));
+    }
+    let mut trace_csv = String::from("stage,variant,position,temperature,top_p\n");
+    for (stage, tr) in [("before", &trace_before), ("after", &trace_after)] {
+        for (name, rows) in ["none", "low", "high"].iter().zip(tr.iter()) {
+            for (j, (t, p)) in rows.iter().enumerate() {
+                trace_csv.push_str(&format!("{stage},{name},{j},{t:.6},{p:.6}\n"));
+            }
+        }
+    }
+    let report = serde_json::json!({
+        "heads": a.heads, "model": a.model.model.file_name().map(|s| s.to_string_lossy().into_owned()),
+        "train_questions": train_pool.len(), "heldout_questions": held_pool.len(), "max_positions": a.max_positions,
+        "low_train": meta::LOW_TRAIN, "high_train": meta::HIGH_TRAIN, "low_heldout": meta::LOW_HELDOUT, "high_heldout": meta::HIGH_HELDOUT,
+        "steps": a.steps, "batch_size": a.batch_size, "learning_rate": a.learning_rate, "margin_t": a.margin_t, "margin_p": a.margin_p,
+        "anchor_weight": a.anchor_weight, "seed": a.seed, "hidden_s": collect_s, "train_s": train_s,
+        "before": before, "after": after,
+    });
+    let report_text = serde_json::to_string_pretty(&report)?;
+    heads.save_with(&a.out, &[("meta_report.json", report_text.as_bytes()), ("meta_log.csv", csv.as_bytes()), ("meta_trace.csv", trace_csv.as_bytes())])?;
+    let series = |tr: &meta::MetaTrace, k: usize| -> Vec<(f64, f64)> { tr[k].iter().enumerate().map(|(j, &(t, _))| (j as f64, f64::from(t))).collect() };
+    deco_autodeco::plot::line_chart_svg(
+        &a.out.join("meta_trace.svg"),
+        "Predicted T along a held-out answer (teacher-forced)",
+        "answer position",
+        "T",
+        &[
+            ("no instruction, before", series(&trace_before, 0)),
+            ("low randomness, before", series(&trace_before, 1)),
+            ("creative, before", series(&trace_before, 2)),
+            ("no instruction, after", series(&trace_after, 0)),
+            ("low randomness, after", series(&trace_after, 1)),
+            ("creative, after", series(&trace_after, 2)),
+        ],
+    )?;
+    eprintln!(
+        "[autodeco meta] held-out: before dT low {:+.4} high {:+.4} order {:.3}; after dT low {:+.4} high {:+.4} order {:.3} (hidden {collect_s:.1}s, train {train_s:.1}s)",
+        before.delta_t_low, before.delta_t_high, before.frac_t_order, after.delta_t_low, after.delta_t_high, after.frac_t_order
+    );
+    println!("{}", serde_json::to_string(&report)?);
     Ok(())
 }
 

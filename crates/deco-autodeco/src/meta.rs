@@ -1,0 +1,487 @@
+//! Meta-instruction control: the second training stage of AutoDeco (Wang et al. 2025, the
+//! section on emergent instruction-based decoding control and its targeted training with a
+//! ranking objective), in which a ranking loss teaches the heads that a
+//! prompt asking for low randomness should get a lower temperature (and top-p) than the same
+//! prompt without an instruction, and a prompt asking for creativity a higher one.
+//!
+//! Data: each question is rendered three times with the model's chat template: as it is
+//! ([`Variant::None`]), with a "low randomness" phrasing appended ([`Variant::Low`]) and with a
+//! "high creativity" phrasing appended ([`Variant::High`]); the same reference answer follows
+//! each. The frozen base gives the final hidden state of the first `max_positions` answer
+//! positions of every variant ([`collect_meta`]); the answer tokens are identical, so position
+//! `j` of the three variants is a matched triple.
+//!
+//! Loss (heads only; the base and its LM head stay frozen), per matched triple with predictions
+//! `T_low, T_none, T_high` and `P_low, P_none, P_high`:
+//!
+//! ```text
+//! rank_T = relu(m_T − (T_none − T_low)) + relu(m_T − (T_high − T_none))
+//! rank_P = relu(m_P − (P_none − P_low)) + relu(m_P − (P_high − P_none))
+//! anchor = (T_none − T⁰_none)² + (P_none − P⁰_none)²
+//! loss   = mean(rank_T + rank_P + λ · anchor)
+//! ```
+//!
+//! where `T⁰, P⁰` are the stage-one heads' predictions: the anchor keeps the behaviour without an
+//! instruction where stage one put it. The margin ranking form is the standard pairwise loss
+//! (as `torch.nn.MarginRankingLoss`); the paper states a ranking objective on the (T, P) of
+//! instruction pairs and gives no formula, so margins and the anchor are deco's choice
+//! (`MetaConfig`).
+//!
+//! Measurement ([`measure`]): on held-out questions and held-out phrasings, each prompt's mean
+//! predicted T and P over its answer positions (teacher-forced on the reference answer), the mean
+//! change against no instruction, and the fraction of (question, phrasing) pairs where
+//! `T_low < T_none` (resp. `T_high > T_none`) and where the full order
+//! `T_low < T_none < T_high` holds.
+
+use deco_formats::chat_template::ChatTemplate;
+use deco_formats::tokenizer::Tokenizer;
+use deco_model::host::to_host;
+use deco_model::{DenseKvCache, Llama, SeqInput};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::data::{GsmItem, chat_example, strip_calculator};
+use crate::error::{Error, Result, invalid};
+use crate::heads::HostHeads;
+
+/// "Low randomness" phrasings used in training.
+pub const LOW_TRAIN: &[&str] = &[
+    "Please answer with low randomness.",
+    "Be as deterministic as you can.",
+    "Answer conservatively and precisely, without any creativity.",
+    "Give only the single most likely answer.",
+    "Keep your answer focused and predictable.",
+    "Avoid any randomness in your reply.",
+];
+
+/// "Low randomness" phrasings held out from training (measurement only).
+pub const LOW_HELDOUT: &[&str] = &[
+    "Please reduce the randomness of your output.",
+    "Respond in a careful, deterministic way.",
+    "Stick to the most probable wording.",
+];
+
+/// "High creativity" phrasings used in training.
+pub const HIGH_TRAIN: &[&str] = &[
+    "Be creative.",
+    "Please answer with high creativity.",
+    "Make your answer diverse and imaginative.",
+    "Feel free to be original and surprising.",
+    "Use varied, colorful language.",
+    "Be as inventive as possible.",
+];
+
+/// "High creativity" phrasings held out from training (measurement only).
+pub const HIGH_HELDOUT: &[&str] = &[
+    "Please ensure your answer is diverse and creative.",
+    "Respond in an unexpected, playful way.",
+    "Let your imagination run wild.",
+];
+
+/// The three renderings of a question.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// The question alone.
+    None = 0,
+    /// With a "low randomness" phrasing.
+    Low = 1,
+    /// With a "high creativity" phrasing.
+    High = 2,
+}
+
+/// One question's matched hidden states.
+#[derive(Debug, Clone)]
+pub struct MetaPrompt {
+    /// Index of the question in its source file.
+    pub item: usize,
+    /// Answer positions kept (`1..=max_positions`).
+    pub rows: usize,
+    /// Hidden states of the question alone: `[rows, H]`, row-major.
+    pub none: Vec<f32>,
+    /// One `[rows, H]` block per low phrasing of this prompt, with the phrasing's index.
+    pub low: Vec<(usize, Vec<f32>)>,
+    /// One `[rows, H]` block per high phrasing of this prompt, with the phrasing's index.
+    pub high: Vec<(usize, Vec<f32>)>,
+}
+
+/// Final hidden states of `model` at the first `max_positions` answer positions of
+/// `question + " " + instruction` (or the question alone) followed by `answer`.
+fn answer_hidden(model: &Llama, tok: &Tokenizer, template: &ChatTemplate, question: &str, instruction: Option<&str>, answer: &str, max_positions: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+    let q = match instruction {
+        Some(i) => format!("{question} {i}"),
+        None => question.to_string(),
+    };
+    let ex = chat_example(tok, template, &q, answer)?;
+    let rows = ex.answer.len().min(max_positions);
+    if rows == 0 {
+        return Err(Error::Data("an empty answer".into()));
+    }
+    // The prompt and the answer's first rows − 1 tokens: the last `rows` positions predict
+    // answer[0..rows].
+    let ids: Vec<u32> = ex.prompt.iter().chain(&ex.answer[..rows - 1]).copied().collect();
+    if ids.len() > model.max_context() {
+        return Err(Error::Data(format!("{} tokens exceed the model's context", ids.len())));
+    }
+    let mut cache = DenseKvCache::new(model.num_layers());
+    let out = model.forward_rows(&[SeqInput { seq: 0, tokens: &ids }], &mut cache, &[rows], model.num_layers())?;
+    let hidden = to_host(out.hidden)?;
+    Ok((ex.answer[..rows].to_vec(), hidden))
+}
+
+/// The frozen LM head as a function: `[rows, H]` hidden states (row-major) and `rows` to
+/// `[rows, V]` logits.
+pub type LogitsFn<'a> = &'a dyn Fn(&[f32], usize) -> Result<Vec<f32>>;
+
+/// A block's mean predicted T and P and its per-position `(T, P)`.
+type BlockTp = (f64, f64, Vec<(f32, f32)>);
+
+/// Phrasings of one kind for one prompt: `(index in its list, text)`.
+type Chosen = Vec<(usize, &'static str)>;
+
+/// Which phrasings each prompt gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phrasings {
+    /// One training phrasing of each kind per prompt, drawn with the seed.
+    TrainOnePerPrompt,
+    /// Every held-out phrasing of each kind.
+    HeldOutAll,
+}
+
+/// Runs the frozen base over `items` (worked answers with calculator annotations removed) in the
+/// variants `phrasings` asks for, keeping the first `max_positions` answer positions.
+/// `progress(done, total)` is called after each question.
+///
+/// # Errors
+/// Model / template errors; [`Error::Data`] when the answer tokens differ between the variants of
+/// a question (a template that tokenizes the answer differently after an instruction) or no
+/// question yields a position; `max_positions` 0.
+#[allow(clippy::too_many_arguments)]
+pub fn collect_meta(
+    model: &Llama,
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    items: &[(usize, &GsmItem)],
+    phrasings: Phrasings,
+    max_positions: usize,
+    seed: u64,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<MetaPrompt>> {
+    if max_positions == 0 {
+        return Err(invalid("max_positions", "must be at least 1"));
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::with_capacity(items.len());
+    for (k, &(item, it)) in items.iter().enumerate() {
+        let answer = strip_calculator(&it.answer);
+        let (lows, highs): (Chosen, Chosen) = match phrasings {
+            Phrasings::TrainOnePerPrompt => {
+                let l = rng.random_range(0..LOW_TRAIN.len());
+                let h = rng.random_range(0..HIGH_TRAIN.len());
+                (vec![(l, LOW_TRAIN[l])], vec![(h, HIGH_TRAIN[h])])
+            }
+            Phrasings::HeldOutAll => (LOW_HELDOUT.iter().copied().enumerate().collect(), HIGH_HELDOUT.iter().copied().enumerate().collect()),
+        };
+        let (labels, none) = answer_hidden(model, tok, template, &it.question, None, &answer, max_positions)?;
+        let rows = labels.len();
+        let one = |ins: &str| -> Result<Vec<f32>> {
+            let (l, h) = answer_hidden(model, tok, template, &it.question, Some(ins), &answer, max_positions)?;
+            if l != labels {
+                return Err(Error::Data(format!("question {item}: the answer tokenizes differently after the instruction \"{ins}\"")));
+            }
+            Ok(h)
+        };
+        let low = lows.iter().map(|&(i, s)| Ok((i, one(s)?))).collect::<Result<Vec<_>>>()?;
+        let high = highs.iter().map(|&(i, s)| Ok((i, one(s)?))).collect::<Result<Vec<_>>>()?;
+        out.push(MetaPrompt { item, rows, none, low, high });
+        progress(k + 1, items.len());
+    }
+    if out.is_empty() {
+        return Err(Error::Data("no questions for the meta-instruction stage".into()));
+    }
+    Ok(out)
+}
+
+/// Mean predicted `(T, P)` of a `[rows, H]` block, the logits coming from `logits(hidden, rows)`.
+fn mean_tp(heads: &HostHeads, hidden: &[f32], rows: usize, logits: LogitsFn<'_>) -> Result<BlockTp> {
+    let h = heads.config().hidden_size;
+    let v = heads.config().vocab_size;
+    if hidden.len() != rows * h {
+        return Err(Error::Shape(format!("{} hidden values for {rows} rows of {h}", hidden.len())));
+    }
+    let z = logits(hidden, rows)?;
+    let mut trace = Vec::with_capacity(rows);
+    let (mut st, mut sp) = (0.0, 0.0);
+    for r in 0..rows {
+        let o = heads.predict(&hidden[r * h..(r + 1) * h], &z[r * v..(r + 1) * v])?;
+        st += f64::from(o.temperature);
+        sp += f64::from(o.top_p);
+        trace.push((o.temperature, o.top_p));
+    }
+    Ok((st / rows as f64, sp / rows as f64, trace))
+}
+
+/// What [`measure`] reports (all means over (question, phrasing) pairs; T and P are each prompt's
+/// mean over its answer positions).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct MetaReport {
+    /// Questions measured.
+    pub questions: usize,
+    /// (question, phrasing) pairs of each kind.
+    pub pairs: usize,
+    /// Mean T and P without an instruction.
+    pub mean_t_none: f64,
+    /// Mean P without an instruction.
+    pub mean_p_none: f64,
+    /// Mean `T_low − T_none`.
+    pub delta_t_low: f64,
+    /// Mean `T_high − T_none`.
+    pub delta_t_high: f64,
+    /// Mean `P_low − P_none`.
+    pub delta_p_low: f64,
+    /// Mean `P_high − P_none`.
+    pub delta_p_high: f64,
+    /// Fraction of pairs with `T_low < T_none`.
+    pub frac_t_low_below: f64,
+    /// Fraction of pairs with `T_high > T_none`.
+    pub frac_t_high_above: f64,
+    /// Fraction of (question, low phrasing, high phrasing) triples with `T_low < T_none < T_high`.
+    pub frac_t_order: f64,
+    /// Fraction of triples with `P_low < P_none < P_high`.
+    pub frac_p_order: f64,
+}
+
+/// Per-position `(T, P)` of one question's variants (for plots): none, first low, first high.
+pub type MetaTrace = [Vec<(f32, f32)>; 3];
+
+/// Measures `heads` on `pool`: see [`MetaReport`]. `logits(hidden, rows)` is the frozen LM head
+/// (`[rows, H] -> [rows, V]`). Returns the report and the trace of the first question.
+///
+/// # Errors
+/// Shape mismatches between the pool and the heads; errors of `logits`; an empty pool.
+pub fn measure(heads: &HostHeads, pool: &[MetaPrompt], logits: LogitsFn<'_>) -> Result<(MetaReport, MetaTrace)> {
+    if pool.is_empty() {
+        return Err(Error::Data("no questions to measure".into()));
+    }
+    let mut r = MetaReport { questions: pool.len(), ..Default::default() };
+    let (mut n_low, mut n_high, mut n_tri) = (0usize, 0usize, 0usize);
+    let mut trace: MetaTrace = Default::default();
+    for (qi, q) in pool.iter().enumerate() {
+        let (tn, pn, tr_n) = mean_tp(heads, &q.none, q.rows, logits)?;
+        r.mean_t_none += tn;
+        r.mean_p_none += pn;
+        let mut lows = Vec::new();
+        for (_, h) in &q.low {
+            let (t, p, tr) = mean_tp(heads, h, q.rows, logits)?;
+            if qi == 0 && trace[1].is_empty() {
+                trace[1] = tr;
+            }
+            r.delta_t_low += t - tn;
+            r.delta_p_low += p - pn;
+            r.frac_t_low_below += f64::from(u8::from(t < tn));
+            n_low += 1;
+            lows.push((t, p));
+        }
+        let mut highs = Vec::new();
+        for (_, h) in &q.high {
+            let (t, p, tr) = mean_tp(heads, h, q.rows, logits)?;
+            if qi == 0 && trace[2].is_empty() {
+                trace[2] = tr;
+            }
+            r.delta_t_high += t - tn;
+            r.delta_p_high += p - pn;
+            r.frac_t_high_above += f64::from(u8::from(t > tn));
+            n_high += 1;
+            highs.push((t, p));
+        }
+        for &(tl, pl) in &lows {
+            for &(th, ph) in &highs {
+                r.frac_t_order += f64::from(u8::from(tl < tn && tn < th));
+                r.frac_p_order += f64::from(u8::from(pl < pn && pn < ph));
+                n_tri += 1;
+            }
+        }
+        if qi == 0 {
+            trace[0] = tr_n;
+        }
+    }
+    let q = pool.len() as f64;
+    r.mean_t_none /= q;
+    r.mean_p_none /= q;
+    r.pairs = n_low.min(n_high);
+    let d = |x: &mut f64, n: usize| *x /= n.max(1) as f64;
+    d(&mut r.delta_t_low, n_low);
+    d(&mut r.delta_p_low, n_low);
+    d(&mut r.frac_t_low_below, n_low);
+    d(&mut r.delta_t_high, n_high);
+    d(&mut r.delta_p_high, n_high);
+    d(&mut r.frac_t_high_above, n_high);
+    d(&mut r.frac_t_order, n_tri);
+    d(&mut r.frac_p_order, n_tri);
+    Ok((r, trace))
+}
+
+/// Options of the ranking stage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetaConfig {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Questions per step (one random answer position each, three variants).
+    pub batch_size: usize,
+    /// Adam learning rate.
+    pub learning_rate: f64,
+    /// Margin `m_T` of the temperature ranking.
+    pub margin_t: f32,
+    /// Margin `m_P` of the top-p ranking.
+    pub margin_p: f32,
+    /// Weight `λ` of the anchor to the stage-one predictions without an instruction.
+    pub anchor_weight: f32,
+    /// Seed of the sampling of questions and positions.
+    pub seed: u64,
+}
+
+impl Default for MetaConfig {
+    fn default() -> Self {
+        Self { steps: 300, batch_size: 16, learning_rate: 5e-4, margin_t: 0.2, margin_p: 0.02, anchor_weight: 1.0, seed: 0 }
+    }
+}
+
+impl MetaConfig {
+    /// Checks the ranges.
+    ///
+    /// # Errors
+    /// [`Error::InvalidParameter`] naming the parameter.
+    pub fn validate(&self) -> Result<()> {
+        if self.steps == 0 {
+            return Err(invalid("steps", "must be at least 1"));
+        }
+        if self.batch_size == 0 {
+            return Err(invalid("batch_size", "must be at least 1"));
+        }
+        if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
+            return Err(invalid("learning_rate", format!("must be a positive number, got {}", self.learning_rate)));
+        }
+        for (name, v) in [("margin_t", self.margin_t), ("margin_p", self.margin_p), ("anchor_weight", self.anchor_weight)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(invalid(name, format!("must be a non-negative number, got {v}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One row of the ranking stage's log.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct MetaLogRow {
+    /// Step (1-based).
+    pub step: usize,
+    /// Temperature ranking loss of the batch.
+    pub rank_t: f64,
+    /// Top-p ranking loss of the batch.
+    pub rank_p: f64,
+    /// Anchor loss of the batch.
+    pub anchor: f64,
+}
+
+#[cfg(feature = "train")]
+pub use train_impl::train_meta;
+
+#[cfg(feature = "train")]
+mod train_impl {
+    use burn::module::Module;
+    use burn::optim::{AdamConfig, GradientsParams};
+    use burn::tensor::{Tensor, TensorData, activation::relu};
+
+    use super::*;
+    use crate::stats::{NUM_STATS, prob_stats};
+    use crate::train::FrozenHead;
+
+    fn vec_of(t: Tensor<2>) -> Result<Vec<f32>> {
+        t.detach().try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))
+    }
+
+    /// The ranking stage: starts from `stage_one` and returns the fine-tuned heads and the log.
+    /// `progress` is called after every step.
+    ///
+    /// # Errors
+    /// Invalid `mc`; an empty pool or one whose hidden size differs from the heads'; device read
+    /// failures.
+    pub fn train_meta(stage_one: &HostHeads, pool: &[MetaPrompt], head: &FrozenHead, mc: &MetaConfig, progress: &mut dyn FnMut(&MetaLogRow)) -> Result<(HostHeads, Vec<MetaLogRow>)> {
+        mc.validate()?;
+        let cfg = stage_one.config().clone();
+        let h = cfg.hidden_size;
+        let v = cfg.vocab_size;
+        if pool.is_empty() {
+            return Err(Error::Data("no questions for the meta-instruction stage".into()));
+        }
+        if let Some(q) = pool.iter().find(|q| q.none.len() != q.rows * h || q.low.is_empty() || q.high.is_empty()) {
+            return Err(Error::Shape(format!("question {}: hidden states do not match the heads' hidden size {h} (or a variant is missing)", q.item)));
+        }
+        let ad = head.device.clone().autodiff();
+        ad.seed(mc.seed);
+        let mut heads = stage_one.to_module(&ad);
+        let mut optim = AdamConfig::new().init();
+        let mut rng = ChaCha8Rng::seed_from_u64(mc.seed);
+        let b = mc.batch_size;
+        let mut log = Vec::with_capacity(mc.steps);
+        for step in 1..=mc.steps {
+            // Rows: [none × b, low × b, high × b].
+            let mut hidden = vec![0f32; 3 * b * h];
+            for i in 0..b {
+                let q = &pool[rng.random_range(0..pool.len())];
+                let j = rng.random_range(0..q.rows);
+                let lo = &q.low[rng.random_range(0..q.low.len())].1;
+                let hi = &q.high[rng.random_range(0..q.high.len())].1;
+                for (k, src) in [&q.none, lo, hi].into_iter().enumerate() {
+                    hidden[(k * b + i) * h..(k * b + i + 1) * h].copy_from_slice(&src[j * h..(j + 1) * h]);
+                }
+            }
+            let logits = head.logits(&hidden, 3 * b)?;
+            // Stage-one predictions without an instruction (the anchor).
+            let mut anchor_t = Vec::with_capacity(b);
+            let mut anchor_p = Vec::with_capacity(b);
+            for i in 0..b {
+                let o = stage_one.predict(&hidden[i * h..(i + 1) * h], &logits[i * v..(i + 1) * v])?;
+                anchor_t.push(o.temperature);
+                anchor_p.push(o.top_p);
+            }
+            let x = Tensor::<2>::from_data(TensorData::new(hidden, [3 * b, h]), &ad);
+            let t = heads.temperature(x.clone());
+            let t_host = vec_of(t.clone())?;
+            let stats = if cfg.use_enhanced_features {
+                let mut s = Vec::with_capacity(3 * b * NUM_STATS);
+                for (row, &tt) in logits.chunks_exact(v).zip(&t_host) {
+                    s.extend_from_slice(&prob_stats(row, tt));
+                }
+                Some(Tensor::<2>::from_data(TensorData::new(s, [3 * b, NUM_STATS]), &ad))
+            } else {
+                None
+            };
+            let p = heads.top_p(x, t.clone(), stats);
+            let split = |y: Tensor<2>| -> [Tensor<2>; 3] { [y.clone().slice([0..b, 0..1]), y.clone().slice([b..2 * b, 0..1]), y.slice([2 * b..3 * b, 0..1])] };
+            let [tn, tl, th] = split(t);
+            let [pn, pl, ph] = split(p);
+            let rank = |n: Tensor<2>, l: Tensor<2>, hh: Tensor<2>, m: f32| -> Tensor<1> {
+                let a = relu((l - n.clone()) + m);
+                let c = relu((n - hh) + m);
+                (a + c).mean()
+            };
+            let rank_t = rank(tn.clone(), tl, th, mc.margin_t);
+            let rank_p = rank(pn.clone(), pl, ph, mc.margin_p);
+            let at = Tensor::<2>::from_data(TensorData::new(anchor_t, [b, 1]), &ad);
+            let ap = Tensor::<2>::from_data(TensorData::new(anchor_p, [b, 1]), &ad);
+            let (dt, dp) = (tn - at, pn - ap);
+            let anchor = (dt.clone() * dt + dp.clone() * dp).mean();
+            let scalar = |t: &Tensor<1>| -> Result<f64> {
+                let v = t.clone().detach().try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))?;
+                Ok(f64::from(v.first().copied().unwrap_or(f32::NAN)))
+            };
+            let row = MetaLogRow { step, rank_t: scalar(&rank_t)?, rank_p: scalar(&rank_p)?, anchor: scalar(&anchor)? };
+            let total = rank_t + rank_p + anchor * mc.anchor_weight;
+            let grads = GradientsParams::from_grads(total.backward(), &heads);
+            heads = optim.step(mc.learning_rate, heads, grads);
+            progress(&row);
+            log.push(row);
+        }
+        Ok((heads.valid().to_host(&cfg)?, log))
+    }
+}
