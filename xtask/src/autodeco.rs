@@ -44,8 +44,8 @@ pub struct Options {
     pub qwen_n: usize,
     /// Qwen: maximum new tokens per answer.
     pub qwen_max_new_tokens: usize,
-    /// Qwen: tuning grid (temperatures x top-ps) and its problems, taken right after the scored
-    /// ones (disjoint from them).
+    /// Qwen: tuning grid (temperatures x top-ps) and its problems (gsm_train from 200 on,
+    /// disjoint from the scored problems and from the heads' training problems).
     pub qwen_grid_temperatures: Vec<f32>,
     pub qwen_grid_top_ps: Vec<f32>,
     pub qwen_grid_problems: usize,

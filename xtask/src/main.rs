@@ -287,8 +287,8 @@ enum BenchCmd {
         /// Qwen tuning grid top-ps.
         #[arg(long, value_delimiter = ',', default_value = "0.9,1.0")]
         qwen_grid_top_ps: Vec<f32>,
-        /// Qwen tuning problems (n = 1 each), taken right after the scored ones.
-        #[arg(long, default_value_t = 32)]
+        /// Qwen tuning problems (n = 1 each): gsm_train problems from 200 on.
+        #[arg(long, default_value_t = 40)]
         qwen_grid_problems: usize,
         /// Training examples of the Qwen heads.
         #[arg(long, default_value_t = 96)]
