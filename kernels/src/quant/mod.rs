@@ -3,8 +3,8 @@
 //! A [`PackedMatrix`] holds a weight `W` of shape `[rows, cols]` = `[out_features, in_features]`
 //! (transformers' `nn.Linear` layout) as the GGUF / ggml blocks it was stored in: each row is
 //! `cols / 32` consecutive blocks of 32 weights (`block_q4_0`, `block_q4_1`, `block_q5_0`,
-//! `block_q8_0` of llama.cpp's `ggml-common.h`) or `cols / 256` super-blocks (`block_q4_K`;
-//! AVX-512 and scalar kernels only), so a 135M-parameter Q4_1 model needs 0.625 bytes per weight
+//! `block_q8_0` of llama.cpp's `ggml-common.h`) or `cols / 256` super-blocks (`block_q4_K`,
+//! `block_q6_K`), so a 135M-parameter Q4_1 model needs 0.625 bytes per weight
 //! instead of 4. [`PackedMatrix::matmul`] computes `y[n, rows] = x[n, cols] · Wᵀ`.
 //!
 //! # Accuracy choice: f32 activations
@@ -118,12 +118,6 @@ impl BlockType {
             Self::Q5_0 => 22,
             Self::Q6_K => 210,
         }
-    }
-
-    /// Whether the AVX2 kernels (`x86.rs`) handle this type; Q4_K, Q5_0 and Q6_K have scalar
-    /// and AVX-512 kernels only.
-    const fn has_avx2_kernels(self) -> bool {
-        !matches!(self, Self::Q4_K | Self::Q5_0 | Self::Q6_K)
     }
 
     /// Weights per block: 32, or 256 for the k-quants `Q4_K` and `Q6_K`. A row length must be
@@ -606,12 +600,11 @@ impl PackedMatrix {
     }
 
     fn matmul_fused(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
-        let isa = if isa == Isa::Avx2 && !self.ty.has_avx2_kernels() { Isa::Scalar } else { isa };
         let cols = self.cols;
         let nb = cols / BLOCK;
-        // Per-block sums of x (the `m · Σx` term of Q4_1; the AVX-512 kernel folds `m` into the
-        // dequantized weights instead).
-        let xsum: Vec<f32> = if self.ty == BlockType::Q4_1 && isa != Isa::Avx512 {
+        // Per-block sums of x (the `m · Σx` term of Q4_1 and of Q4_K's sub-blocks; the AVX-512
+        // kernel folds `m` into the dequantized weights instead, the scalar Q4_K code too).
+        let xsum: Vec<f32> = if (self.ty == BlockType::Q4_1 && isa != Isa::Avx512) || (self.ty == BlockType::Q4_K && isa == Isa::Avx2) {
             x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect()
         } else {
             Vec::new()
@@ -777,7 +770,7 @@ impl PackedMatrix {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: AVX2/FMA/F16C checked; row and o have matching sizes.
-                        Isa::Avx2 | Isa::Avx512 if self.ty.has_avx2_kernels() => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
+                        Isa::Avx2 | Isa::Avx512 => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
                         _ => scalar::dequant_row(self.ty, self.row(r0 + i), o),
                     }
                 }

@@ -2,7 +2,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{BLOCK, BlockType};
+use super::{BLOCK, BlockType, Q6K_D, Q6K_QH, Q6K_SCALES, q4k_scale_min};
 
 /// The f16 at `p` (unaligned) as f32, with the F16C conversion.
 #[inline]
@@ -40,7 +40,7 @@ unsafe fn block_q(ty: BlockType, blk: *const u8) -> [__m256; 4] {
                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(24) as *const __m128i))),
                 ]
             }
-            BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K => unreachable!("Q4_K / Q5_0 / Q6_K run the scalar or AVX-512 kernels"),
+            BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K => unreachable!("Q4_K / Q5_0 / Q6_K go through `sub_q`"),
             BlockType::Q4_0 | BlockType::Q4_1 => {
                 let off = if ty == BlockType::Q4_0 { 2 } else { 4 };
                 let qv = _mm_loadu_si128(blk.add(off) as *const __m128i);
@@ -62,6 +62,132 @@ unsafe fn block_q(ty: BlockType, blk: *const u8) -> [__m256; 4] {
             }
         }
     }
+}
+
+/// 32 code bytes as four vectors of 8 f32 (bytes 0..8, 8..16, 16..24, 24..32), signed or not.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bytes_to_f32<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
+    let lo = _mm256_castsi256_si128(v);
+    let hi = _mm256_extracti128_si256(v, 1);
+    let cvt = |x: __m128i| -> __m256 {
+        if SIGNED { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)) } else { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)) }
+    };
+    [cvt(lo), cvt(_mm_srli_si128(lo, 8)), cvt(hi), cvt(_mm_srli_si128(hi, 8))]
+}
+
+/// The 32 bits at `p` as 32 bytes, `0xFF` where the bit is set (byte `j` for bit `j`); ggml's
+/// `bytes_from_bits_32`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 4 readable bytes at `p`.
+    let x32 = unsafe { (p as *const u32).read_unaligned() };
+    let shuf = _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0);
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x32 as i32), shuf);
+    let bit = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+    _mm256_cmpeq_epi8(_mm256_or_si256(bytes, bit), _mm256_set1_epi64x(-1))
+}
+
+/// Sub-block `b` (32 weights) of a row of Q4_K, Q5_0 or Q6_K: the codes as four vectors of 8
+/// integer-valued f32 (weights 0..8, 8..16, 16..24, 24..32), the scale of weights 0..16 and of
+/// weights 16..32, and the minimum, so that weight `l` is `scale · q_l − min` (ggml's
+/// `dequantize_row_q4_K` / `_q5_0` / `_q6_K`: `min` is `dmin·m` for Q4_K and 0 otherwise; Q5_0 and
+/// Q6_K codes are already centred, `q − 16` and `q − 32`).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `row` must hold sub-block `b` (for the k-quants the
+/// whole 256-weight block `b / 8`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sub_q(ty: BlockType, row: *const u8, b: usize) -> ([__m256; 4], f32, f32, f32) {
+    let m4 = _mm256_set1_epi8(0x0F);
+    // SAFETY (all loads): the caller guarantees the (super-)block holding sub-block `b`.
+    unsafe {
+        match ty {
+            BlockType::Q4_K => {
+                let blk = row.add((b / 8) * 144);
+                let k = b % 8;
+                let (d, dmin) = (f16_at(blk), f16_at(blk.add(2)));
+                let (sc, m) = q4k_scale_min(k, std::slice::from_raw_parts(blk.add(4), 12));
+                let mut v = _mm256_loadu_si256(blk.add(16 + 32 * (k / 2)) as *const __m256i);
+                if k % 2 == 1 {
+                    v = _mm256_srli_epi16(v, 4);
+                }
+                let s = d * f32::from(sc);
+                (bytes_to_f32::<false>(_mm256_and_si256(v, m4)), s, s, dmin * f32::from(m))
+            }
+            BlockType::Q5_0 => {
+                let blk = row.add(b * 22);
+                let d = f16_at(blk);
+                let qs = _mm_loadu_si128(blk.add(6) as *const __m128i);
+                let lo = _mm_and_si128(qs, _mm256_castsi256_si128(m4));
+                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm256_castsi256_si128(m4));
+                let nib = _mm256_set_m128i(hi, lo);
+                let fifth = _mm256_and_si256(bytes_from_bits_32(blk.add(2)), _mm256_set1_epi8(0x10));
+                let q = _mm256_sub_epi8(_mm256_or_si256(nib, fifth), _mm256_set1_epi8(16));
+                (bytes_to_f32::<true>(q), d, d, 0.0)
+            }
+            BlockType::Q6_K => {
+                let blk = row.add((b / 8) * 210);
+                let k = b % 8;
+                let (h, g) = (k / 4, k % 4);
+                let mut lo = _mm256_loadu_si256(blk.add(64 * h + 32 * (g % 2)) as *const __m256i);
+                if g >= 2 {
+                    lo = _mm256_srli_epi16(lo, 4);
+                }
+                lo = _mm256_and_si256(lo, m4);
+                let qh = _mm256_loadu_si256(blk.add(Q6K_QH + 32 * h) as *const __m256i);
+                let hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g as i32)), _mm256_set1_epi8(3));
+                let q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+                let d = f16_at(blk.add(Q6K_D));
+                let sc = blk.add(Q6K_SCALES + 8 * h + 2 * g);
+                (bytes_to_f32::<true>(q), d * f32::from(*sc as i8), d * f32::from(*sc.add(1) as i8), 0.0)
+            }
+            _ => unreachable!("sub_q is for Q4_K, Q5_0 and Q6_K"),
+        }
+    }
+}
+
+/// [`dot_t`] for Q4_K (`TY` 3), Q5_0 (4) and Q6_K (5), per 32-weight sub-block: weights 0..16
+/// accumulate under the first scale and 16..32 under the second, and Q4_K's minimum multiplies
+/// the sub-block's activation sum from `xsum`. The same operations for each token whatever `T`.
+///
+/// # Safety
+/// As [`dot_t`]; `xsum` holds `T · nb` sums for Q4_K.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_sub_t<const TY: u8, const T: usize>(row: *const u8, nb: usize, x: *const f32, stride: usize, xsum: *const f32) -> [f32; T] {
+    let ty = match TY {
+        3 => BlockType::Q4_K,
+        4 => BlockType::Q5_0,
+        _ => BlockType::Q6_K,
+    };
+    let mut acc0 = [_mm256_setzero_ps(); T];
+    let mut acc1 = [_mm256_setzero_ps(); T];
+    let mut accm = [0.0f32; T];
+    for b in 0..nb {
+        // SAFETY: b < nb, so the sub-block and each token's 32 values are in bounds.
+        unsafe {
+            let (q, s0, s1, m) = sub_q(ty, row, b);
+            let (d0, d1) = (_mm256_set1_ps(s0), _mm256_set1_ps(s1));
+            for k in 0..T {
+                let xb = x.add(k * stride + b * BLOCK);
+                let t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb.add(8)), _mm256_mul_ps(q[0], _mm256_loadu_ps(xb)));
+                let u = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb.add(24)), _mm256_mul_ps(q[2], _mm256_loadu_ps(xb.add(16))));
+                acc0[k] = _mm256_fmadd_ps(t, d0, acc0[k]);
+                acc1[k] = _mm256_fmadd_ps(u, d1, acc1[k]);
+                if TY == 3 {
+                    accm[k] += m * *xsum.add(k * nb + b);
+                }
+            }
+        }
+    }
+    let mut out = [0.0f32; T];
+    for k in 0..T {
+        out[k] = hsum(_mm256_add_ps(acc0[k], acc1[k])) - accm[k];
+    }
+    out
 }
 
 /// Dot products of one packed row with `T` consecutive activation rows, AVX2.
@@ -141,23 +267,42 @@ pub(super) unsafe fn dot_multi<const T: usize>(
             BlockType::Q4_0 => dot_t::<0, T>(rp, nb, x, stride, xsum),
             BlockType::Q4_1 => dot_t::<1, T>(rp, nb, x, stride, xsum),
             BlockType::Q8_0 => dot_t::<2, T>(rp, nb, x, stride, xsum),
-            BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K => unreachable!("Q4_K / Q5_0 / Q6_K run the scalar or AVX-512 kernels"),
+            BlockType::Q4_K => dot_sub_t::<3, T>(rp, nb, x, stride, xsum),
+            BlockType::Q5_0 => dot_sub_t::<4, T>(rp, nb, x, stride, xsum),
+            BlockType::Q6_K => dot_sub_t::<5, T>(rp, nb, x, stride, xsum),
         }
     }
 }
 
 /// Dequantizes one packed row into `out` (`out.len()` values), AVX2. Uses FMA for `d·q + m`
-/// (Q4_1), so results may differ from ggml's scalar code in the last bit.
+/// (Q4_1), so results may differ from ggml's scalar code in the last bit; Q4_K, Q5_0 and Q6_K
+/// round `s·q` and `− min` separately, as ggml does, so they are bit-identical to it.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `row` must hold `out.len() / 32` blocks of `ty`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
     let nb = out.len() / BLOCK;
-    let bb = ty.block_bytes();
-    debug_assert!(row.len() >= nb * bb);
     let rp = row.as_ptr();
     let op = out.as_mut_ptr();
+    if matches!(ty, BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K) {
+        debug_assert!(row.len() * ty.block_len() >= out.len() * ty.block_bytes());
+        for b in 0..nb {
+            // SAFETY: b < nb, so the sub-block and its 32 outputs are in bounds.
+            unsafe {
+                let (q, s0, s1, m) = sub_q(ty, rp, b);
+                let ob = op.add(b * BLOCK);
+                let mv = _mm256_set1_ps(m);
+                for (k, qk) in q.iter().enumerate() {
+                    let s = _mm256_set1_ps(if k < 2 { s0 } else { s1 });
+                    _mm256_storeu_ps(ob.add(8 * k), _mm256_sub_ps(_mm256_mul_ps(*qk, s), mv));
+                }
+            }
+        }
+        return;
+    }
+    let bb = ty.block_bytes();
+    debug_assert!(row.len() >= nb * bb);
     for b in 0..nb {
         // SAFETY: b < nb, so the block and the 32 outputs are in bounds.
         unsafe {
