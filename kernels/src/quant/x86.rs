@@ -317,3 +317,60 @@ pub(super) unsafe fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{BlockType, Q6K_D, scalar};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// Random blocks of `ty` (every code and scale byte random; the f16 scales set to finite
+    /// values, negative ones included).
+    fn blocks(ty: BlockType, n: usize, seed: u64) -> Vec<u8> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let bb = ty.block_bytes();
+        let mut data: Vec<u8> = (0..n * bb).map(|_| rng.random()).collect();
+        for blk in data.chunks_exact_mut(bb) {
+            let mut f16 = |at: usize, rng: &mut ChaCha8Rng| {
+                let v = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+                blk[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+            };
+            match ty {
+                BlockType::Q4_K => {
+                    f16(0, &mut rng);
+                    f16(2, &mut rng);
+                }
+                BlockType::Q6_K => f16(Q6K_D, &mut rng),
+                _ => f16(0, &mut rng),
+            }
+        }
+        data
+    }
+
+    /// The AVX2 sub-block unpacking against the scalar (ggml-order) code, on every bit pattern
+    /// the random blocks give: dequantization bit-identical, dot products within f32 rounding.
+    #[test]
+    fn k_quant_and_q5_0_match_scalar() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
+            return;
+        }
+        for ty in [BlockType::Q4_K, BlockType::Q5_0, BlockType::Q6_K] {
+            let cols = 512;
+            let row = blocks(ty, cols / ty.block_len(), 7 + ty as u64);
+            let mut want = vec![0.0f32; cols];
+            scalar::dequant_row(ty, &row, &mut want);
+            let mut got = vec![0.0f32; cols];
+            // SAFETY: AVX2/FMA/F16C checked above; `row` holds `cols` weights of `ty`.
+            unsafe { super::dequant_row(ty, &row, &mut got) };
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{ty:?}");
+            let mut rng = ChaCha8Rng::seed_from_u64(3);
+            let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            let xsum: Vec<f32> = x.chunks_exact(32).map(|c| c.iter().sum()).collect();
+            let exact: f64 = want.iter().zip(&x).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+            let mag: f64 = want.iter().zip(&x).map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs()).sum();
+            // SAFETY: as above; x holds one row of `cols`, xsum its `cols / 32` sums.
+            let dot = unsafe { super::dot_multi::<1>(ty, &row, cols / 32, x.as_ptr(), cols, xsum.as_ptr()) }[0];
+            assert!((f64::from(dot) - exact).abs() <= 1e-5 * mag + 1e-6, "{ty:?}: {dot} vs {exact}");
+        }
+    }
+}
