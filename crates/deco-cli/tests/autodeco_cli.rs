@@ -79,4 +79,21 @@ fn bad_heads_give_clean_errors() {
     let o = deco(&["autodeco", "train", "--model", m, "--data", data.to_str().expect("p"), "--out", out.to_str().expect("p"), "--learning-rate=-1"]);
     assert_clean_error(&o, &["learning_rate"]);
     assert!(!out.exists(), "no output on failure");
+    // The meta-instruction stage: heads for another hidden size, a bad margin, too few questions.
+    let gsm = deco_tests::asset("data/gsm_train.jsonl");
+    let g = gsm.to_str().expect("p");
+    let meta_out = tmp.path().join("meta");
+    let mo = meta_out.to_str().expect("p");
+    let o = deco(&["autodeco", "meta-train", "--model", m, "--heads", wrong.to_str().expect("p"), "--data", g, "--out", mo]);
+    assert_clean_error(&o, &["hidden 64"]);
+    let good = tmp.path().join("good");
+    save_heads(&good, 576, 49152);
+    let gd = good.to_str().expect("p");
+    let o = deco(&["autodeco", "meta-train", "--model", m, "--heads", gd, "--data", g, "--out", mo, "--margin-t=-0.5"]);
+    assert_clean_error(&o, &["margin_t"]);
+    let o = deco(&["autodeco", "meta-train", "--model", m, "--heads", gd, "--data", data.to_str().expect("p"), "--out", mo]);
+    assert_clean_error(&o, &["bad.jsonl:1"]);
+    let o = deco(&["autodeco", "meta-train", "--model", m, "--heads", missing.to_str().expect("p"), "--data", g, "--out", mo]);
+    assert_clean_error(&o, &["nope"]);
+    assert!(!meta_out.exists(), "no output on failure");
 }
