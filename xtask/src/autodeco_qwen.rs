@@ -138,7 +138,7 @@ pub struct QwenRun {
     /// Head training examples and steps.
     pub train_examples: usize,
     pub steps: usize,
-    /// Also the tuning grid (best static row), the meta-instruction stage and the cost at batch 1.
+    /// Also the tuning grid (best static row) and the meta-instruction stage.
     pub full: bool,
     /// Docs marker name (`<!-- bench autodeco {marker} begin -->`).
     pub marker: &'static str,
@@ -271,7 +271,7 @@ pub fn run(o: &Options, bin: &Path, m: &QwenRun) -> Result<()> {
 
     // 5. Head cost at batch 16 and 1.
     let mut lat = Vec::new();
-    for (batch, limit) in if m.full { vec![(16usize, 32usize), (1, 4)] } else { vec![(16, 16)] } {
+    for (batch, limit) in if m.full { vec![(16usize, 32usize), (1, 4)] } else { vec![(16, 16), (1, 2)] } {
         let mut a = vec![s("-n"), s(1), s("--limit"), s(limit), s("--max-new-tokens"), s(64), s("--batch"), s(batch), s("--heads")];
         a.push(qheads.display().to_string());
         lat.push((batch, limit, r.eval(&format!("{key}-latency-b{batch}"), &q, &a)?));
