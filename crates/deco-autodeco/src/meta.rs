@@ -201,6 +201,80 @@ pub fn collect_meta(
     Ok(out)
 }
 
+/// One question of a pool file: `(item, rows, low phrasing indices, high phrasing indices)`.
+type QuestionShape = (usize, usize, Vec<usize>, Vec<usize>);
+
+/// Layout of a pool file ([`save_pools`]): a JSON header line, then the f32 values.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PoolHeader {
+    key: String,
+    hidden_size: usize,
+    /// Per pool, per question.
+    pools: Vec<Vec<QuestionShape>>,
+}
+
+/// Writes pools of hidden states (e.g. the training and held-out pools of one run) to `path`
+/// (atomically), tagged with `key` (what produced them: model, data, options), so that a rerun
+/// of the stage with other loss settings skips the base model ([`load_pools`]).
+///
+/// # Errors
+/// [`Error::Io`].
+pub fn save_pools(path: &std::path::Path, key: &str, hidden_size: usize, pools: &[&[MetaPrompt]]) -> Result<()> {
+    let header = PoolHeader {
+        key: key.to_string(),
+        hidden_size,
+        pools: pools.iter().map(|p| p.iter().map(|q| (q.item, q.rows, q.low.iter().map(|l| l.0).collect(), q.high.iter().map(|h| h.0).collect())).collect()).collect(),
+    };
+    let mut bytes = serde_json::to_vec(&header).map_err(|e| Error::Data(format!("pool header: {e}")))?;
+    bytes.push(b'\n');
+    for p in pools {
+        for q in *p {
+            for block in std::iter::once(&q.none).chain(q.low.iter().map(|l| &l.1)).chain(q.high.iter().map(|h| &h.1)) {
+                for v in block {
+                    bytes.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+    }
+    crate::write_atomic(path, &bytes)
+}
+
+/// Reads pools written by [`save_pools`] if `path` exists and its key and hidden size match;
+/// `Ok(None)` otherwise (missing file, other key).
+///
+/// # Errors
+/// [`Error::Data`] for a file that says it holds these pools but is truncated or malformed.
+pub fn load_pools(path: &std::path::Path, key: &str, hidden_size: usize) -> Result<Option<Vec<Vec<MetaPrompt>>>> {
+    let Ok(bytes) = std::fs::read(path) else { return Ok(None) };
+    let Some(nl) = bytes.iter().position(|&b| b == b'\n') else { return Ok(None) };
+    let Ok(header) = serde_json::from_slice::<PoolHeader>(&bytes[..nl]) else { return Ok(None) };
+    if header.key != key || header.hidden_size != hidden_size {
+        return Ok(None);
+    }
+    let bad = || Error::Data(format!("{}: truncated or malformed pool file", path.display()));
+    let mut data = bytes[nl + 1..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+    let mut take = |n: usize| -> Result<Vec<f32>> {
+        let v: Vec<f32> = data.by_ref().take(n).collect();
+        if v.len() == n { Ok(v) } else { Err(bad()) }
+    };
+    let mut out = Vec::new();
+    for p in &header.pools {
+        let mut pool = Vec::with_capacity(p.len());
+        for (item, rows, lows, highs) in p {
+            let n = rows.checked_mul(hidden_size).ok_or_else(bad)?;
+            let none = take(n)?;
+            let low = lows.iter().map(|&i| Ok((i, take(n)?))).collect::<Result<Vec<_>>>()?;
+            let high = highs.iter().map(|&i| Ok((i, take(n)?))).collect::<Result<Vec<_>>>()?;
+            pool.push(MetaPrompt { item: *item, rows: *rows, none, low, high });
+        }
+        out.push(pool);
+    }
+    if data.next().is_some() {
+        return Err(bad());
+    }
+    Ok(Some(out))
+}
+
 /// Mean predicted `(T, P)` of a `[rows, H]` block, the logits coming from `logits(hidden, rows)`.
 fn mean_tp(heads: &HostHeads, hidden: &[f32], rows: usize, logits: LogitsFn<'_>) -> Result<BlockTp> {
     let h = heads.config().hidden_size;

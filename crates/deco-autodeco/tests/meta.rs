@@ -108,3 +108,26 @@ fn bad_inputs_are_refused_with_the_reason() {
     let logits = |h: &[f32], n: usize| head.logits(h, n);
     assert!(measure(&stage_one, &train[3..4], &logits).is_err());
 }
+
+#[test]
+fn pool_cache_round_trips_and_checks_its_key() {
+    let (_, _, train, held) = setup();
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("pools.bin");
+    deco_autodeco::meta::save_pools(&path, "model=a", H, &[&train, &held]).expect("save");
+    let back = deco_autodeco::meta::load_pools(&path, "model=a", H).expect("load").expect("same key");
+    assert_eq!(back.len(), 2);
+    for (a, b) in back.iter().zip([&train, &held]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert_eq!((x.item, x.rows, &x.none, &x.low, &x.high), (y.item, y.rows, &y.none, &y.low, &y.high));
+        }
+    }
+    assert!(deco_autodeco::meta::load_pools(&path, "model=b", H).expect("other key").is_none());
+    assert!(deco_autodeco::meta::load_pools(&path, "model=a", H + 1).expect("other size").is_none());
+    assert!(deco_autodeco::meta::load_pools(&dir.path().join("missing"), "model=a", H).expect("missing").is_none());
+    let bytes = std::fs::read(&path).expect("read");
+    std::fs::write(&path, &bytes[..bytes.len() - 3]).expect("truncate");
+    let e = deco_autodeco::meta::load_pools(&path, "model=a", H).expect_err("truncated");
+    assert!(e.to_string().contains("truncated"), "{e}");
+}

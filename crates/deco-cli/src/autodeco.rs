@@ -85,6 +85,10 @@ pub struct MetaTrainArgs {
     /// Answer positions kept per question (teacher-forced on the reference answer).
     #[arg(long, default_value_t = 32)]
     max_positions: usize,
+    /// Keep the base model's hidden states in this file and reuse them when the model, data
+    /// and question options match (a rerun with other loss settings skips the base model).
+    #[arg(long)]
+    pool_cache: Option<PathBuf>,
 }
 
 /// Options of `deco autodeco export`.
@@ -420,12 +424,41 @@ fn run_meta_train(a: &MetaTrainArgs) -> Result<()> {
     let template = ChatTemplate::new(source)?;
     let indexed: Vec<(usize, &deco_autodeco::data::GsmItem)> = items.iter().enumerate().take(a.max_examples + a.heldout_examples).collect();
     let t0 = Instant::now();
-    let pb = bar((a.max_examples + a.heldout_examples) as u64, "hidden");
-    let mut cb = |d: usize, _t: usize| pb.set_position(d as u64);
-    let train_pool = meta::collect_meta(&model, &tok, &template, &indexed[..a.max_examples], Phrasings::TrainOnePerPrompt, a.max_positions, a.seed, &mut cb)?;
-    let mut cb2 = |d: usize, _t: usize| pb.set_position((a.max_examples + d) as u64);
-    let held_pool = meta::collect_meta(&model, &tok, &template, &indexed[a.max_examples..], Phrasings::HeldOutAll, a.max_positions, a.seed, &mut cb2)?;
-    pb.finish();
+    let key = format!(
+        "model={} size={} data={} size={} examples={} heldout={} positions={} seed={}",
+        a.model.model.display(),
+        std::fs::metadata(&a.model.model).map(|m| m.len()).unwrap_or(0),
+        a.data.display(),
+        std::fs::metadata(&a.data).map(|m| m.len()).unwrap_or(0),
+        a.max_examples,
+        a.heldout_examples,
+        a.max_positions,
+        a.seed
+    );
+    let cached = match &a.pool_cache {
+        Some(p) => meta::load_pools(p, &key, model.config.hidden_size)?,
+        None => None,
+    };
+    let (train_pool, held_pool) = match cached {
+        Some(mut pools) if pools.len() == 2 => {
+            let held = pools.pop().unwrap_or_default();
+            let train = pools.pop().unwrap_or_default();
+            eprintln!("[autodeco meta] hidden states from {}", a.pool_cache.as_ref().map_or(String::new(), |p| p.display().to_string()));
+            (train, held)
+        }
+        _ => {
+            let pb = bar((a.max_examples + a.heldout_examples) as u64, "hidden");
+            let mut cb = |d: usize, _t: usize| pb.set_position(d as u64);
+            let train_pool = meta::collect_meta(&model, &tok, &template, &indexed[..a.max_examples], Phrasings::TrainOnePerPrompt, a.max_positions, a.seed, &mut cb)?;
+            let mut cb2 = |d: usize, _t: usize| pb.set_position((a.max_examples + d) as u64);
+            let held_pool = meta::collect_meta(&model, &tok, &template, &indexed[a.max_examples..], Phrasings::HeldOutAll, a.max_positions, a.seed, &mut cb2)?;
+            pb.finish();
+            if let Some(p) = &a.pool_cache {
+                meta::save_pools(p, &key, model.config.hidden_size, &[&train_pool, &held_pool])?;
+            }
+            (train_pool, held_pool)
+        }
+    };
     let collect_s = t0.elapsed().as_secs_f64();
     let head = FrozenHead { weight: model.lm_head().clone(), device: model.device().clone() };
     let logits = |h: &[f32], n: usize| head.logits(h, n);
