@@ -292,14 +292,18 @@ pub fn run(o: &Options, bin: &Path, m: &QwenRun) -> Result<()> {
     // 6. Meta-instruction stage.
     let meta_dir = root.join(format!("{}-gsm-meta", m.key));
     let meta_stamp = root.join(format!("{}-gsm-meta.args.json", m.key));
+    // The top-p heads are saturated at P = 1 (see "Training" in docs/autodeco.md), so the
+    // ranking leaves them out (`--margin-p 0`): no LM-head logits per step.
     let meta_args: Vec<String> = vec![
-        s("--steps"), s(o.meta_steps), s("--max-examples"), s(96), s("--heldout-examples"), s(32), s("--max-positions"), s(32), s("--seed"), s(0),
+        s("--steps"), s(o.meta_steps), s("--learning-rate"), s("2e-3"), s("--anchor-weight"), s(30), s("--margin-t"), s(0.25), s("--margin-p"), s(0),
+        s("--max-examples"), s(96), s("--heldout-examples"), s(32), s("--max-positions"), s(32), s("--seed"), s(0),
     ];
     let meta_key = json!({"args": meta_args, "heads_args": qargs});
     let fresh = fs::read_to_string(&meta_stamp).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()) == Some(meta_key.clone());
     if !(fresh && meta_dir.join("meta_report.json").is_file()) {
         let mut cmd = Command::new(bin);
         cmd.args(["autodeco", "meta-train", "--model"]).arg(&q).arg("--heads").arg(&qheads).arg("--data").arg(&train_data).arg("--out").arg(&meta_dir).args(&meta_args);
+        cmd.arg("--pool-cache").arg(root.join(format!("{}-meta-pool.bin", m.key)));
         eprintln!("bench autodeco: {}", util::show(&cmd));
         let st = cmd.status()?;
         if !st.success() {

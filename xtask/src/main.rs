@@ -297,7 +297,7 @@ enum BenchCmd {
         #[arg(long, default_value_t = 400)]
         qwen_steps: usize,
         /// Steps of the meta-instruction ranking stage (Qwen heads).
-        #[arg(long, default_value_t = 300)]
+        #[arg(long, default_value_t = 2000)]
         meta_steps: usize,
         /// Qwen2.5-Coder-1.5B: scored problems for greedy, default sampling and AutoDeco (0 =
         /// skip; fetches ~1.1 GB and trains heads for it).

@@ -11,18 +11,20 @@
 //! positions of every variant ([`collect_meta`]); the answer tokens are identical, so position
 //! `j` of the three variants is a matched triple.
 //!
-//! Loss (heads only; the base and its LM head stay frozen), per matched triple with predictions
-//! `T_low, T_none, T_high` and `P_low, P_none, P_high`:
+//! Loss (heads only; the base and its LM head stay frozen). Each step draws questions and, per
+//! question, `K` answer positions (the same in the three variants); `T̄_low, T̄_none, T̄_high` are
+//! a question's mean predictions over them (likewise `P̄`):
 //!
 //! ```text
-//! rank_T = relu(m_T − (T_none − T_low)) + relu(m_T − (T_high − T_none))
-//! rank_P = relu(m_P − (P_none − P_low)) + relu(m_P − (P_high − P_none))
-//! anchor = (T_none − T⁰_none)² + (P_none − P⁰_none)²
-//! loss   = mean(rank_T + rank_P + λ · anchor)
+//! rank_T = relu(m_T − (T̄_none − T̄_low)) + relu(m_T − (T̄_high − T̄_none))
+//! rank_P = relu(m_P − (P̄_none − P̄_low)) + relu(m_P − (P̄_high − P̄_none))
+//! anchor = (T_none − T⁰_none)² + (P_none − P⁰_none)²          (per position)
+//! loss   = mean(rank_T) + mean(rank_P) + λ · mean(anchor)
 //! ```
 //!
 //! where `T⁰, P⁰` are the stage-one heads' predictions: the anchor keeps the behaviour without an
-//! instruction where stage one put it. The margin ranking form is the standard pairwise loss
+//! instruction where stage one put it. Ranking per-question means (not single positions) is what
+//! the measurement reports; `m_P = 0` leaves the top-p head out. The margin ranking form is the standard pairwise loss
 //! (as `torch.nn.MarginRankingLoss`); the paper states a ranking objective on the (T, P) of
 //! instruction pairs and gives no formula, so margins and the anchor are deco's choice
 //! (`MetaConfig`).
@@ -399,13 +401,18 @@ pub fn measure(heads: &HostHeads, pool: &[MetaPrompt], logits: LogitsFn<'_>) -> 
 pub struct MetaConfig {
     /// Optimizer steps.
     pub steps: usize,
-    /// Questions per step (one random answer position each, three variants).
+    /// Questions per step (three variants each).
     pub batch_size: usize,
+    /// Answer positions drawn per question and step (with replacement); the ranking compares
+    /// the variants' mean T (and P) over them, the per-question mean that [`measure`] reports.
+    pub positions_per_question: usize,
     /// Adam learning rate.
     pub learning_rate: f64,
     /// Margin `m_T` of the temperature ranking.
     pub margin_t: f32,
-    /// Margin `m_P` of the top-p ranking.
+    /// Margin `m_P` of the top-p ranking; 0 leaves the top-p head out of the stage (no logits
+    /// are computed; its input T still follows the temperature head). Heads whose top-p output
+    /// is saturated at 1 (as deco's stage-one heads are) get no gradient from it anyway.
     pub margin_p: f32,
     /// Weight `λ` of the anchor to the stage-one predictions without an instruction.
     pub anchor_weight: f32,
@@ -415,7 +422,7 @@ pub struct MetaConfig {
 
 impl Default for MetaConfig {
     fn default() -> Self {
-        Self { steps: 300, batch_size: 16, learning_rate: 5e-4, margin_t: 0.2, margin_p: 0.02, anchor_weight: 1.0, seed: 0 }
+        Self { steps: 2000, batch_size: 16, positions_per_question: 8, learning_rate: 2e-3, margin_t: 0.25, margin_p: 0.02, anchor_weight: 30.0, seed: 0 }
     }
 }
 
@@ -430,6 +437,9 @@ impl MetaConfig {
         }
         if self.batch_size == 0 {
             return Err(invalid("batch_size", "must be at least 1"));
+        }
+        if self.positions_per_question == 0 {
+            return Err(invalid("positions_per_question", "must be at least 1"));
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
             return Err(invalid("learning_rate", format!("must be a positive number, got {}", self.learning_rate)));
@@ -450,7 +460,7 @@ pub struct MetaLogRow {
     pub step: usize,
     /// Temperature ranking loss of the batch.
     pub rank_t: f64,
-    /// Top-p ranking loss of the batch.
+    /// Top-p ranking loss of the batch (NaN when the top-p head is left out).
     pub rank_p: f64,
     /// Anchor loss of the batch.
     pub anchor: f64,
@@ -495,62 +505,81 @@ mod train_impl {
         let mut heads = stage_one.to_module(&ad);
         let mut optim = AdamConfig::new().init();
         let mut rng = ChaCha8Rng::seed_from_u64(mc.seed);
-        let b = mc.batch_size;
+        let frozen = stage_one.to_module(&head.device);
+        let (b, kp) = (mc.batch_size, mc.positions_per_question);
+        let with_p = mc.margin_p > 0.0;
+        let n = b * kp;
         let mut log = Vec::with_capacity(mc.steps);
         for step in 1..=mc.steps {
-            // Rows: [none × b, low × b, high × b].
-            let mut hidden = vec![0f32; 3 * b * h];
+            // Rows: [none, low, high] blocks of b questions × kp positions each (the same
+            // positions in the three variants).
+            let mut hidden = vec![0f32; 3 * n * h];
             for i in 0..b {
                 let q = &pool[rng.random_range(0..pool.len())];
-                let j = rng.random_range(0..q.rows);
                 let lo = &q.low[rng.random_range(0..q.low.len())].1;
                 let hi = &q.high[rng.random_range(0..q.high.len())].1;
-                for (k, src) in [&q.none, lo, hi].into_iter().enumerate() {
-                    hidden[(k * b + i) * h..(k * b + i + 1) * h].copy_from_slice(&src[j * h..(j + 1) * h]);
+                for r in 0..kp {
+                    let j = rng.random_range(0..q.rows);
+                    for (k, src) in [&q.none, lo, hi].into_iter().enumerate() {
+                        let row = k * n + i * kp + r;
+                        hidden[row * h..(row + 1) * h].copy_from_slice(&src[j * h..(j + 1) * h]);
+                    }
                 }
             }
-            let logits = head.logits(&hidden, 3 * b)?;
-            // Stage-one predictions without an instruction (the anchor).
-            let mut anchor_t = Vec::with_capacity(b);
-            let mut anchor_p = Vec::with_capacity(b);
-            for i in 0..b {
-                let o = stage_one.predict(&hidden[i * h..(i + 1) * h], &logits[i * v..(i + 1) * v])?;
-                anchor_t.push(o.temperature);
-                anchor_p.push(o.top_p);
-            }
-            let x = Tensor::<2>::from_data(TensorData::new(hidden, [3 * b, h]), &ad);
+            let none_rows = Tensor::<2>::from_data(TensorData::new(hidden[..n * h].to_vec(), [n, h]), &head.device);
+            let x = Tensor::<2>::from_data(TensorData::new(hidden.clone(), [3 * n, h]), &ad);
             let t = heads.temperature(x.clone());
-            let t_host = vec_of(t.clone())?;
-            let stats = if cfg.use_enhanced_features {
-                let mut s = Vec::with_capacity(3 * b * NUM_STATS);
-                for (row, &tt) in logits.chunks_exact(v).zip(&t_host) {
-                    s.extend_from_slice(&prob_stats(row, tt));
-                }
-                Some(Tensor::<2>::from_data(TensorData::new(s, [3 * b, NUM_STATS]), &ad))
-            } else {
-                None
+            // Per question: the mean over its kp positions, `[b, 1]` per variant.
+            let means = |y: Tensor<2>| -> [Tensor<2>; 3] {
+                let y = y.reshape([3, b, kp]).mean_dim(2); // [3, b, 1]
+                [0, 1, 2].map(|k| y.clone().slice([k..k + 1, 0..b, 0..1]).reshape([b, 1]))
             };
-            let p = heads.top_p(x, t.clone(), stats);
-            let split = |y: Tensor<2>| -> [Tensor<2>; 3] { [y.clone().slice([0..b, 0..1]), y.clone().slice([b..2 * b, 0..1]), y.slice([2 * b..3 * b, 0..1])] };
-            let [tn, tl, th] = split(t);
-            let [pn, pl, ph] = split(p);
             let rank = |n: Tensor<2>, l: Tensor<2>, hh: Tensor<2>, m: f32| -> Tensor<1> {
                 let a = relu((l - n.clone()) + m);
                 let c = relu((n - hh) + m);
                 (a + c).mean()
             };
-            let rank_t = rank(tn.clone(), tl, th, mc.margin_t);
-            let rank_p = rank(pn.clone(), pl, ph, mc.margin_p);
-            let at = Tensor::<2>::from_data(TensorData::new(anchor_t, [b, 1]), &ad);
-            let ap = Tensor::<2>::from_data(TensorData::new(anchor_p, [b, 1]), &ad);
-            let (dt, dp) = (tn - at, pn - ap);
-            let anchor = (dt.clone() * dt + dp.clone() * dp).mean();
             let scalar = |t: &Tensor<1>| -> Result<f64> {
                 let v = t.clone().detach().try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))?;
                 Ok(f64::from(v.first().copied().unwrap_or(f32::NAN)))
             };
-            let row = MetaLogRow { step, rank_t: scalar(&rank_t)?, rank_p: scalar(&rank_p)?, anchor: scalar(&anchor)? };
-            let total = rank_t + rank_p + anchor * mc.anchor_weight;
+            let [tn, tl, th] = means(t.clone());
+            let rank_t = rank(tn.clone(), tl, th, mc.margin_t);
+            // The anchor: stage one's predictions without an instruction, per position.
+            let t0 = frozen.temperature(none_rows.clone());
+            let t0 = Tensor::<2>::from_data(TensorData::new(vec_of(t0.clone())?, [n, 1]), &ad);
+            let dt = t.clone().slice([0..n, 0..1]) - t0;
+            let mut anchor = (dt.clone() * dt).mean();
+            let mut rank_p_value = f64::NAN;
+            let mut total = rank_t.clone();
+            if with_p {
+                let logits = head.logits(&hidden, 3 * n)?;
+                let t_host = vec_of(t.clone())?;
+                let stats_of = |ts: &[f32], rows: usize| -> Option<Vec<f32>> {
+                    cfg.use_enhanced_features.then(|| {
+                        let mut s = Vec::with_capacity(rows * NUM_STATS);
+                        for (row, &tt) in logits.chunks_exact(v).zip(ts) {
+                            s.extend_from_slice(&prob_stats(row, tt));
+                        }
+                        s
+                    })
+                };
+                let stats = stats_of(&t_host, 3 * n).map(|s| Tensor::<2>::from_data(TensorData::new(s, [3 * n, NUM_STATS]), &ad));
+                let p = heads.top_p(x, t, stats);
+                let [pn, pl, ph] = means(p.clone());
+                let rank_p = rank(pn, pl, ph, mc.margin_p);
+                rank_p_value = scalar(&rank_p)?;
+                // Stage one's P without an instruction (its own T, its own statistics).
+                let t0h = vec_of(frozen.temperature(none_rows.clone()))?;
+                let s0 = stats_of(&t0h, n).map(|s| Tensor::<2>::from_data(TensorData::new(s, [n, NUM_STATS]), &head.device));
+                let p0 = frozen.top_p(none_rows, Tensor::<2>::from_data(TensorData::new(t0h, [n, 1]), &head.device), s0);
+                let p0 = Tensor::<2>::from_data(TensorData::new(vec_of(p0)?, [n, 1]), &ad);
+                let dp = p.slice([0..n, 0..1]) - p0;
+                anchor = anchor + (dp.clone() * dp).mean();
+                total = total + rank_p;
+            }
+            let row = MetaLogRow { step, rank_t: scalar(&rank_t)?, rank_p: rank_p_value, anchor: scalar(&anchor)? };
+            let total = total + anchor * mc.anchor_weight;
             let grads = GradientsParams::from_grads(total.backward(), &heads);
             heads = optim.step(mc.learning_rate, heads, grads);
             progress(&row);

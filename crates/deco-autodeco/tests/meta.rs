@@ -60,6 +60,12 @@ fn ranking_stage_learns_the_order_on_unseen_questions() {
     let (before, _) = measure(&stage_one, &held, &logits).expect("measure");
     let mc = MetaConfig { steps: 300, batch_size: 16, learning_rate: 3e-3, ..MetaConfig::default() };
     let (after_heads, log) = train_meta(&stage_one, &train, &head, &mc, &mut |_| {}).expect("train");
+    // Without the top-p head (margin_p 0) the stage orders T too.
+    let t_only = MetaConfig { margin_p: 0.0, ..mc.clone() };
+    let (t_heads, t_log) = train_meta(&stage_one, &train, &head, &t_only, &mut |_| {}).expect("train T only");
+    assert!(t_log.iter().all(|r| r.rank_p.is_nan()));
+    let (t_rep, _) = measure(&t_heads, &held, &|h: &[f32], n: usize| head.logits(h, n)).expect("measure");
+    assert!(t_rep.frac_t_order >= 0.95, "{t_rep:?}");
     assert_eq!(log.len(), 300);
     let (after, trace) = measure(&after_heads, &held, &logits).expect("measure");
     // Random heads do not order the variants; the trained ones do, by the margin's size.
@@ -100,6 +106,9 @@ fn bad_inputs_are_refused_with_the_reason() {
     let bad = MetaConfig { margin_t: -0.1, ..MetaConfig::default() };
     let e = train_meta(&stage_one, &train, &head, &bad, &mut |_| {}).expect_err("negative margin");
     assert!(e.to_string().contains("margin_t"), "{e}");
+    let bad = MetaConfig { positions_per_question: 0, ..MetaConfig::default() };
+    let e = train_meta(&stage_one, &train, &head, &bad, &mut |_| {}).expect_err("no positions");
+    assert!(e.to_string().contains("positions_per_question"), "{e}");
     let e = train_meta(&stage_one, &[], &head, &MetaConfig::default(), &mut |_| {}).expect_err("empty pool");
     assert!(e.to_string().contains("no questions"), "{e}");
     train[3].none.pop();

@@ -56,22 +56,25 @@ pub struct MetaTrainArgs {
     #[arg(long)]
     out: PathBuf,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 2000)]
     steps: usize,
-    /// Questions per step (one answer position each, in the three variants).
+    /// Questions per step (in the three variants).
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
+    /// Answer positions per question and step; the ranking compares per-question means over them.
+    #[arg(long, default_value_t = 8)]
+    positions_per_question: usize,
     /// Adam learning rate.
-    #[arg(long, default_value_t = 5e-4)]
+    #[arg(long, default_value_t = 2e-3)]
     learning_rate: f64,
     /// Margin of the temperature ranking.
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(long, default_value_t = 0.25)]
     margin_t: f32,
-    /// Margin of the top-p ranking.
+    /// Margin of the top-p ranking (0: leave the top-p head out; no logits needed).
     #[arg(long, default_value_t = 0.02)]
     margin_p: f32,
     /// Weight of the anchor to the stage-one predictions without an instruction.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 30.0)]
     anchor_weight: f32,
     /// Seed (phrasing choice, question and position sampling).
     #[arg(long, default_value_t = 0)]
@@ -394,6 +397,7 @@ fn run_meta_train(a: &MetaTrainArgs) -> Result<()> {
     let mc = MetaConfig {
         steps: a.steps,
         batch_size: a.batch_size,
+        positions_per_question: a.positions_per_question,
         learning_rate: a.learning_rate,
         margin_t: a.margin_t,
         margin_p: a.margin_p,
@@ -489,7 +493,7 @@ fn run_meta_train(a: &MetaTrainArgs) -> Result<()> {
         "heads": a.heads, "model": a.model.model.file_name().map(|s| s.to_string_lossy().into_owned()),
         "train_questions": train_pool.len(), "heldout_questions": held_pool.len(), "max_positions": a.max_positions,
         "low_train": meta::LOW_TRAIN, "high_train": meta::HIGH_TRAIN, "low_heldout": meta::LOW_HELDOUT, "high_heldout": meta::HIGH_HELDOUT,
-        "steps": a.steps, "batch_size": a.batch_size, "learning_rate": a.learning_rate, "margin_t": a.margin_t, "margin_p": a.margin_p,
+        "steps": a.steps, "batch_size": a.batch_size, "positions_per_question": a.positions_per_question, "learning_rate": a.learning_rate, "margin_t": a.margin_t, "margin_p": a.margin_p,
         "anchor_weight": a.anchor_weight, "seed": a.seed, "hidden_s": collect_s, "train_s": train_s,
         "before": before, "after": after,
     });
