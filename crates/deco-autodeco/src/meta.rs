@@ -4,10 +4,9 @@
 //! prompt asking for low randomness should get a lower temperature (and top-p) than the same
 //! prompt without an instruction, and a prompt asking for creativity a higher one.
 //!
-//! Data: each question is rendered three times with the model's chat template: as it is
-//! ([`Variant::None`]), with a "low randomness" phrasing appended ([`Variant::Low`]) and with a
-//! "high creativity" phrasing appended ([`Variant::High`]); the same reference answer follows
-//! each. The frozen base gives the final hidden state of the first `max_positions` answer
+//! Data: each question is rendered three times with the model's chat template: as it is, with a
+//! "low randomness" phrasing appended ([`LOW_TRAIN`]) and with a "high creativity" phrasing
+//! appended ([`HIGH_TRAIN`]); the same reference answer follows each. The frozen base gives the final hidden state of the first `max_positions` answer
 //! positions of every variant ([`collect_meta`]); the answer tokens are identical, so position
 //! `j` of the three variants is a matched triple.
 //!
@@ -24,8 +23,8 @@
 //!
 //! where `T⁰, P⁰` are the stage-one heads' predictions: the anchor keeps the behaviour without an
 //! instruction where stage one put it. Ranking per-question means (not single positions) is what
-//! the measurement reports; `m_P = 0` leaves the top-p head out. The margin ranking form is the standard pairwise loss
-//! (as `torch.nn.MarginRankingLoss`); the paper states a ranking objective on the (T, P) of
+//! the measurement reports; `m_P = 0` leaves the top-p head out. The margin ranking form is the
+//! standard pairwise loss (as `torch.nn.MarginRankingLoss`); the paper states a ranking objective on the (T, P) of
 //! instruction pairs and gives no formula, so margins and the anchor are deco's choice
 //! (`MetaConfig`).
 //!
@@ -79,17 +78,6 @@ pub const HIGH_HELDOUT: &[&str] = &[
     "Respond in an unexpected, playful way.",
     "Let your imagination run wild.",
 ];
-
-/// The three renderings of a question.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Variant {
-    /// The question alone.
-    None = 0,
-    /// With a "low randomness" phrasing.
-    Low = 1,
-    /// With a "high creativity" phrasing.
-    High = 2,
-}
 
 /// One question's matched hidden states.
 #[derive(Debug, Clone)]
