@@ -272,23 +272,8 @@ fn render(
         o.batch
     );
     md.push_str(&table(rows, o.n));
-    md.push_str(&format!("\nOracle grid ({} problems, n = 1, seed 777), pass@1:\n\n| T \\ top_p |", o.grid_problems));
-    for p in &o.grid_top_ps {
-        md.push_str(&format!(" {p} |"));
-    }
-    md.push_str("\n|---|");
-    for _ in &o.grid_top_ps {
-        md.push_str("---|");
-    }
-    md.push('\n');
-    for t in &o.grid_temperatures {
-        md.push_str(&format!("| {t} |"));
-        for p in &o.grid_top_ps {
-            let acc = grid.iter().find(|g| g.0 == *t && g.1 == *p).map_or(f64::NAN, |g| g.2);
-            md.push_str(&format!(" {:.1}% |", 100.0 * acc));
-        }
-        md.push('\n');
-    }
+    md.push_str(&format!("\nOracle grid ({} problems, n = 1, seed 777), pass@1:\n\n", o.grid_problems));
+    md.push_str(&grid_table(&o.grid_temperatures, &o.grid_top_ps, |t, p| grid.iter().find(|g| g.0 == t && g.1 == p).map_or(f64::NAN, |g| g.2)));
     let overhead = |v: &Value| {
         let heads_s = v["heads_s"].as_f64().unwrap_or(f64::NAN);
         let rest = v["forward_s"].as_f64().unwrap_or(f64::NAN) + v["sample_s"].as_f64().unwrap_or(f64::NAN);
@@ -316,6 +301,27 @@ fn render(
         ));
     }
     md.push_str("\nRaw summaries and every output: `<cache>/autodeco/results/` (`.cache/` or `$DECO_CACHE`).\n");
+    md
+}
+
+/// A grid of pass@1 values as a markdown table: a row per temperature, a column per top-p.
+pub(crate) fn grid_table(temperatures: &[f32], top_ps: &[f32], acc: impl Fn(f32, f32) -> f64) -> String {
+    let mut md = String::from("| T \\ top_p |");
+    for p in top_ps {
+        md.push_str(&format!(" {p} |"));
+    }
+    md.push_str("\n|---|");
+    for _ in top_ps {
+        md.push_str("---|");
+    }
+    md.push('\n');
+    for &t in temperatures {
+        md.push_str(&format!("| {t} |"));
+        for &p in top_ps {
+            md.push_str(&format!(" {:.1}% |", 100.0 * acc(t, p)));
+        }
+        md.push('\n');
+    }
     md
 }
 

@@ -21,7 +21,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::autodeco::{Options, Runner, date, s, write_block};
+use crate::autodeco::{Options, Runner, date, grid_table, s, write_block};
 use crate::{fetch, util};
 
 /// Bootstrap resamples.
@@ -446,23 +446,8 @@ fn render_short(o: &Options, m: &QwenRun, c: &Common<'_>, passk_svg: &str) -> St
 
 fn render(o: &Options, m: &QwenRun, c: &Common<'_>, grid: &[(f32, f32, f64, f64)], best: (f32, f32), meta: &Value, gen_rows: &[(&str, &str, Option<&str>, Value)]) -> String {
     let mut md = render_common(o, m, c);
-    md.push_str(&format!("\nTuning grid (gsm_train.jsonl problems {TUNE_OFFSET}–{}: GSM8K train, disjoint from the scored GSM-Symbolic problems and from the problems the heads trained on; n = 1, seed 777), pass@1; the best point, T = {} and top_p = {}, is the \"best static\" row:\n\n| T \\ top_p |", TUNE_OFFSET + o.qwen_grid_problems - 1, best.0, best.1));
-    for tp in &o.qwen_grid_top_ps {
-        md.push_str(&format!(" {tp} |"));
-    }
-    md.push_str("\n|---|");
-    for _ in &o.qwen_grid_top_ps {
-        md.push_str("---|");
-    }
-    md.push('\n');
-    for t in &o.qwen_grid_temperatures {
-        md.push_str(&format!("| {t} |"));
-        for tp in &o.qwen_grid_top_ps {
-            let acc = grid.iter().find(|g| g.0 == *t && g.1 == *tp).map_or(f64::NAN, |g| g.2);
-            md.push_str(&format!(" {} |", pct(acc)));
-        }
-        md.push('\n');
-    }
+    md.push_str(&format!("\nTuning grid (gsm_train.jsonl problems {TUNE_OFFSET}–{}: GSM8K train, disjoint from the scored GSM-Symbolic problems and from the problems the heads trained on; n = 1, seed 777), pass@1; the best point, T = {} and top_p = {}, is the \"best static\" row:\n\n", TUNE_OFFSET + o.qwen_grid_problems - 1, best.0, best.1));
+    md.push_str(&grid_table(&o.qwen_grid_temperatures, &o.qwen_grid_top_ps, |t, tp| grid.iter().find(|g| g.0 == t && g.1 == tp).map_or(f64::NAN, |g| g.2)));
     let mv = |stage: &str, k: &str| meta[stage][k].as_f64().unwrap_or(f64::NAN);
     md.push_str(&format!(
         "\nMeta-instruction stage (`deco autodeco meta-train`, {} steps, {} training questions with the training phrasings; measured on {} held-out questions × {} held-out phrasings of each kind, T and P averaged over the first {} answer positions, teacher-forced on the reference answer):\n\n\
