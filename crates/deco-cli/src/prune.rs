@@ -58,6 +58,16 @@ pub enum HeadModeArg {
     Kv,
 }
 
+/// How the sparsity mask evolves in the recovery fine-tune (`--finetune-steps`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MaskUpdateArg {
+    /// Keep the one-shot mask (masked gradients; the pattern stays bit for bit).
+    Fixed,
+    /// Re-select the masks every `--mask-update-every` steps from a moving average of the Wanda
+    /// score, dense shadow weights trained with the straight-through estimator.
+    Ema,
+}
+
 /// Output format.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum FormatArg {
@@ -134,12 +144,26 @@ pub struct PruneArgs {
     /// Sheared: optimizer steps.
     #[arg(long, default_value_t = 60)]
     steps: usize,
-    /// Sheared: sequences per step.
+    /// Sheared and the recovery fine-tune: sequences (of `--seqlen` tokens) per step.
     #[arg(long, default_value_t = 2)]
     batch_size: usize,
-    /// Sheared: Adam learning rate of the weights.
+    /// Sheared and the recovery fine-tune: Adam learning rate of the weights.
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
+    /// Recovery fine-tune after unstructured / N:M pruning: optimizer steps of next-token
+    /// cross-entropy on the calibration text (`--calib`), the sparsity held exactly at its
+    /// target (0: one-shot pruning only).
+    #[arg(long, default_value_t = 0)]
+    finetune_steps: usize,
+    /// The fine-tune's mask: the one-shot mask fixed, or moving-average (Wanda score) updates.
+    #[arg(long, value_enum, default_value_t = MaskUpdateArg::Fixed)]
+    mask_update: MaskUpdateArg,
+    /// `--mask-update ema`: EMA factor of the score per step, in [0, 1).
+    #[arg(long, default_value_t = 0.9)]
+    mask_ema: f64,
+    /// `--mask-update ema`: steps between mask re-selections.
+    #[arg(long, default_value_t = 10)]
+    mask_update_every: usize,
 }
 
 fn bar(len: usize, what: &str) -> ProgressBar {
@@ -162,6 +186,9 @@ pub fn run(args: &PruneArgs) -> Result<()> {
     if args.target.is_some() {
         bail!("--target applies to --method sheared only");
     }
+    if args.finetune_steps == 0 && args.mask_update != MaskUpdateArg::Fixed {
+        bail!("--mask-update ema needs --finetune-steps N (N >= 1)");
+    }
     let methods = &args.method;
     let structured = |m: &PruneMethod| matches!(m, PruneMethod::Heads | PruneMethod::Neurons | PruneMethod::Layers);
     let n_struct = methods.iter().filter(|m| structured(m)).count();
@@ -170,6 +197,9 @@ pub fn run(args: &PruneArgs) -> Result<()> {
     }
     if n_struct == 0 && methods.len() != 1 {
         bail!("--method: give one unstructured method");
+    }
+    if n_struct > 0 && args.finetune_steps > 0 {
+        bail!("--finetune-steps applies to unstructured and N:M pruning (magnitude, wanda, sparsegpt); after structured pruning use `deco distill`");
     }
     let mut dedup = methods.clone();
     dedup.sort_by_key(|m| *m as u8);
@@ -197,6 +227,9 @@ pub fn run(args: &PruneArgs) -> Result<()> {
         },
         None => Pattern::Unstructured(sparsity[0]),
     };
+    if args.finetune_steps > 0 {
+        finetune_config(args, pattern)?;
+    }
     if args.out.exists() && std::fs::read_dir(&args.out).map(|mut d| d.next().is_some()).unwrap_or(true) {
         bail!("{}: output directory exists and is not empty", args.out.display());
     }
@@ -208,7 +241,8 @@ pub fn run(args: &PruneArgs) -> Result<()> {
 
     let needs_calib = n_struct > 0 || methods[0] != PruneMethod::Magnitude;
     let t0 = Instant::now();
-    let windows = if needs_calib {
+    let mut text_ids = Vec::new();
+    let windows = if needs_calib || args.finetune_steps > 0 {
         let path = match args.calib.as_str() {
             "wiki" => crate::runtime::data_file(&args.model.model, "wiki_train.txt", "--calib FILE")?,
             "shakespeare" => crate::runtime::data_file(&args.model.model, "shakespeare/train.txt", "--calib FILE")?,
@@ -223,7 +257,8 @@ pub fn run(args: &PruneArgs) -> Result<()> {
         }
         let w = calibration_windows(&ids, args.nsamples, args.seqlen, args.seed).with_context(|| format!("calibration text {}", path.display()))?;
         eprintln!("calibration: {} windows x {} tokens from {}", args.nsamples, args.seqlen, path.display());
-        w
+        text_ids = ids;
+        if needs_calib { w } else { Vec::new() }
     } else {
         Vec::new()
     };
@@ -246,17 +281,33 @@ pub fn run(args: &PruneArgs) -> Result<()> {
         let pruned = prune_model(&cfg, &src, &device, &windows, &method, pattern, &mut |_| pb.inc(1))?;
         pb.finish();
         let secs = t0.elapsed().as_secs_f64();
+        let mut sparsity_out = pruned.sparsity();
+        let mut ft_summary = String::new();
+        let tuned = if args.finetune_steps > 0 {
+            let (tensors, summary, s) = finetune(args, &cfg, &src, &pruned, pattern, &text_ids)?;
+            ft_summary = summary;
+            sparsity_out = s;
+            Some(tensors)
+        } else {
+            None
+        };
         eprintln!("writing {}", args.out.display());
-        let source = pruned.source(&src);
+        let tuned_source = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> {
+            match tuned.as_ref().and_then(|t| t.get(n)) {
+                Some(v) => Ok(v.clone()),
+                None => src(n),
+            }
+        };
+        let pruned_source = pruned.source(&src);
+        let source: &deco_compress::pipeline::TensorFn<'_> = if tuned.is_some() { &tuned_source } else { &pruned_source };
         match args.format {
-            FormatArg::Dense => write_dense_dir(&ckpt, &tok, &cfg, &source, &args.out, dtype)?,
-            FormatArg::Sparse => write_sparse_dir(&ckpt, &tok, &cfg, &source, &args.out, dtype)?,
+            FormatArg::Dense => write_dense_dir(&ckpt, &tok, &cfg, source, &args.out, dtype)?,
+            FormatArg::Sparse => write_sparse_dir(&ckpt, &tok, &cfg, source, &args.out, dtype)?,
         }
         println!(
-            "[prune] method={:?} pattern={} sparsity={:.4} calib_tokens={calib_tokens} prune_s={secs:.1} params={} out={}",
+            "[prune] method={:?} pattern={} sparsity={sparsity_out:.4} calib_tokens={calib_tokens} prune_s={secs:.1}{ft_summary} params={} out={}",
             methods[0],
             args.nm.clone().unwrap_or_else(|| format!("{}", sparsity[0])),
-            pruned.sparsity(),
             total_params(&cfg),
             args.out.display()
         );
@@ -309,6 +360,79 @@ pub fn run(args: &PruneArgs) -> Result<()> {
     Ok(())
 }
 
+/// The options of `--finetune-steps`, checked (before any pruning work).
+fn finetune_config(args: &PruneArgs, pattern: Pattern) -> Result<deco_compress::sparse_ft::SparseFtConfig> {
+    use deco_compress::sparse_ft::{MaskUpdate, SparseFtConfig};
+    let mask_update = match args.mask_update {
+        MaskUpdateArg::Fixed => MaskUpdate::Fixed,
+        MaskUpdateArg::Ema => MaskUpdate::Ema { beta: args.mask_ema, every: args.mask_update_every },
+    };
+    let sc = SparseFtConfig { steps: args.finetune_steps, batch_size: args.batch_size, seqlen: args.seqlen, lr: args.lr, seed: args.seed, mask_update, pattern, clip_norm: Some(1.0) };
+    sc.validate()?;
+    Ok(sc)
+}
+
+/// The recovery fine-tune of `--finetune-steps` on the pruned model: returns the tuned tensors
+/// (transformers names), a summary for the `[prune]` line and the final sparsity.
+fn finetune(
+    args: &PruneArgs,
+    cfg: &deco_formats::config::ModelConfig,
+    src: &deco_compress::pipeline::TensorFn<'_>,
+    pruned: &deco_compress::pipeline::PrunedModel,
+    pattern: Pattern,
+    tokens: &[u32],
+) -> Result<(deco_compress::student::HfTensors, String, f64)> {
+    use burn::tensor::Device;
+    use deco_compress::sparse_ft::{MaskUpdate, sparse_finetune};
+    use deco_compress::student::StudentModel;
+
+    let sc = finetune_config(args, pattern)?;
+    let mask_update = sc.mask_update;
+    anyhow::ensure!(tokens.len() > args.seqlen, "--calib text has {} tokens, need more than --seqlen {}", tokens.len(), args.seqlen);
+    // Fixed: the pruned weights. EMA: the pruned weights where kept, the dense ones where pruned
+    // (a regrown weight restarts from its dense value).
+    let start = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> {
+        let (shape, mut w) = src(n)?;
+        if let (Some(p), Some(m)) = (pruned.linears.get(n), pruned.masks.get(n)) {
+            for ((x, &pv), &k) in w.iter_mut().zip(p).zip(&m.keep) {
+                if k || mask_update == MaskUpdate::Fixed {
+                    *x = pv;
+                }
+            }
+        }
+        Ok((shape, w))
+    };
+    let model = StudentModel::from_source(cfg, &start, &Device::flex().autodiff())?;
+    let pb = ProgressBar::new(args.finetune_steps as u64);
+    if let Ok(style) = ProgressStyle::with_template("fine-tune [{bar:30}] {pos}/{len} steps, {elapsed} (eta {eta}) {msg}") {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    let t0 = Instant::now();
+    let out = sparse_finetune(model, cfg, &pruned.masks, tokens, &sc, &mut |r| {
+        pb.set_position(r.step as u64);
+        pb.set_message(format!("loss {:.4}", r.loss));
+    })?;
+    pb.finish();
+    let mean = |rows: &[deco_compress::distill::StepLog]| rows.iter().map(|r| r.loss).sum::<f64>() / rows.len().max(1) as f64;
+    let k = out.log.len().min(10);
+    // Fraction of decoder weights whose flag changed, summed over the re-selections (EMA only).
+    let changed = out.mask_log.iter().fold(0.0f64, |acc, m| acc + m.changed);
+    let pruned_n: usize = out.masks.values().map(|m| m.pruned()).sum();
+    let total: usize = out.masks.values().map(|m| m.keep.len()).sum();
+    let summary = format!(
+        " finetune_steps={} mask_update={:?} finetune_tokens={} loss_first10={:.4} loss_last10={:.4} mask_changed_total={changed:.4} stray={} finetune_s={:.1}",
+        args.finetune_steps,
+        args.mask_update,
+        args.finetune_steps * args.batch_size * args.seqlen,
+        mean(&out.log[..k]),
+        mean(&out.log[out.log.len() - k..]),
+        out.stray,
+        t0.elapsed().as_secs_f64()
+    )
+    .to_lowercase();
+    Ok((out.tensors, summary, pruned_n as f64 / total.max(1) as f64))
+}
+
 /// `--method sheared`: Sheared-LLaMA on three domains (wiki, Shakespeare, GSM train), then the
 /// hard prune to `--target`, written as a dense model.
 fn run_sheared(args: &PruneArgs) -> Result<()> {
@@ -359,10 +483,7 @@ fn run_sheared(args: &PruneArgs) -> Result<()> {
     for d in &domains {
         let ids = vec![d[..seqlen].to_vec(), d[d.len() / 2..d.len() / 2 + seqlen].to_vec()];
         let logits = dense.forward(&cfg, &ids, false)?;
-        let (labels, w): (Vec<u32>, Vec<f32>) = ids
-            .iter()
-            .flat_map(|s| (0..seqlen).map(move |j| if j + 1 < seqlen { (s[j + 1], 1.0 / (2.0 * (seqlen - 1) as f32)) } else { (0, 0.0) }))
-            .unzip();
+        let (labels, w) = deco_compress::distill::next_token_labels(&ids);
         let l = cross_entropy_weighted(logits, &labels, &w)?.try_into_vec_as::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
         refs.push(f64::from(l[0]));
     }

@@ -102,18 +102,7 @@ impl DistillConfig {
     /// # Errors
     /// [`Error::InvalidParameter`] naming the parameter.
     pub fn validate(&self) -> Result<()> {
-        if self.steps == 0 {
-            return Err(invalid("steps", "must be at least 1"));
-        }
-        if self.batch_size == 0 {
-            return Err(invalid("batch_size", "must be at least 1"));
-        }
-        if self.seqlen < 2 {
-            return Err(invalid("seqlen", "must be at least 2"));
-        }
-        if !(self.lr.is_finite() && self.lr > 0.0 && self.lr <= 1.0) {
-            return Err(invalid("lr", format!("must be in (0, 1], got {}", self.lr)));
-        }
+        check_schedule("steps", self.steps, self.batch_size, self.seqlen, self.lr)?;
         if !(self.temperature.is_finite() && self.temperature > 0.0 && self.temperature <= 100.0) {
             return Err(invalid("temperature", format!("must be in (0, 100], got {}", self.temperature)));
         }
@@ -125,6 +114,28 @@ impl DistillConfig {
         }
         Ok(())
     }
+}
+
+/// The ranges every training loop of this crate shares: at least one step (`steps_name` names
+/// the step count's parameter), one sequence per step, two tokens per sequence, a learning rate
+/// in `(0, 1]`.
+///
+/// # Errors
+/// [`Error::InvalidParameter`] naming the parameter.
+pub(crate) fn check_schedule(steps_name: &'static str, steps: usize, batch_size: usize, seqlen: usize, lr: f64) -> Result<()> {
+    if steps == 0 {
+        return Err(invalid(steps_name, "must be at least 1"));
+    }
+    if batch_size == 0 {
+        return Err(invalid("batch_size", "must be at least 1"));
+    }
+    if seqlen < 2 {
+        return Err(invalid("seqlen", "must be at least 2"));
+    }
+    if !(lr.is_finite() && lr > 0.0 && lr <= 1.0) {
+        return Err(invalid("lr", format!("must be in (0, 1], got {lr}")));
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -179,6 +190,16 @@ pub fn cross_entropy_weighted(logits: Tensor<2>, labels: &[u32], weights: &[f32]
     let w: Tensor<2> = Tensor::from_data(TensorData::new(weights.to_vec(), [rows, 1]), &device);
     let lp = log_softmax(logits, 1).gather(1, idx); // [rows, 1]
     Ok(lp.mul(w).sum().neg())
+}
+
+/// Labels and weights of the mean next-token cross-entropy over `ids` (equal-length sequences,
+/// concatenated as in [`StudentModel::forward`]): row `j` of sequence `i` predicts `ids[i][j + 1]`
+/// with weight `1 / (batch · (seq - 1))`; each sequence's last row is unscored (label 0, weight 0).
+/// The inputs of [`cross_entropy_weighted`].
+pub fn next_token_labels(ids: &[Vec<u32>]) -> (Vec<u32>, Vec<f32>) {
+    let n: usize = ids.iter().map(|s| s.len().saturating_sub(1)).sum();
+    let per = (1.0 / n.max(1) as f64) as f32;
+    ids.iter().flat_map(|s| (0..s.len()).map(move |j| if j + 1 < s.len() { (s[j + 1], per) } else { (0, 0.0) })).unzip()
 }
 
 /// Role of a token position in a chain-of-thought example.
@@ -343,12 +364,12 @@ pub struct StepLog {
     pub secs: f64,
 }
 
-fn step_rng(seed: u64, step: usize) -> ChaCha8Rng {
+pub(crate) fn step_rng(seed: u64, step: usize) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
 /// `n` random windows of `len` tokens.
-fn windows(tokens: &[u32], n: usize, len: usize, rng: &mut ChaCha8Rng) -> Result<Vec<Vec<u32>>> {
+pub(crate) fn windows(tokens: &[u32], n: usize, len: usize, rng: &mut ChaCha8Rng) -> Result<Vec<Vec<u32>>> {
     if tokens.len() <= len {
         return Err(invalid("data", format!("{} tokens, need more than seqlen {len}", tokens.len())));
     }
@@ -362,7 +383,7 @@ fn tensor2(data: Vec<f32>, rows: usize, cols: usize, device: &Device) -> Tensor<
     Tensor::from_data(TensorData::new(data, [rows, cols]), device)
 }
 
-fn scalar(t: Tensor<1>) -> Result<f64> {
+pub(crate) fn scalar(t: Tensor<1>) -> Result<f64> {
     let v = deco_model::host::to_host(t.detach().reshape([1, 1]))?;
     Ok(f64::from(v.first().copied().unwrap_or(f32::NAN)))
 }
@@ -424,16 +445,7 @@ pub fn batch_loss(
             let tl = tensor2(teacher.logits(&ids)?, b * t, vocab, &device);
             let mut loss = forward_kl_loss(s.clone(), tl, dc.temperature).mul_scalar(1.0 - dc.ce_weight);
             if dc.ce_weight > 0.0 {
-                // Next-token labels: row j of sequence i predicts ids[i][j + 1]; last rows unscored.
-                let mut labels = Vec::with_capacity(b * t);
-                let mut w = Vec::with_capacity(b * t);
-                let per = (1.0 / (b * (t - 1)) as f64) as f32;
-                for seq in &ids {
-                    for j in 0..t {
-                        labels.push(if j + 1 < t { seq[j + 1] } else { 0 });
-                        w.push(if j + 1 < t { per } else { 0.0 });
-                    }
-                }
+                let (labels, w) = next_token_labels(&ids);
                 loss = loss.add(cross_entropy_weighted(s, &labels, &w)?.mul_scalar(dc.ce_weight));
             }
             Ok((loss, b * t))

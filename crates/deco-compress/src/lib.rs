@@ -11,6 +11,8 @@
 //!   transformers tensors;
 //! - [`distill`]: knowledge distillation (forward KL, MiniLLM reverse KL, chain-of-thought) of a
 //!   frozen teacher into a student, for post-pruning recovery;
+//! - [`sparse_ft`]: sparse fine-tuning after pruning, fixed mask (masked gradients) or masks
+//!   re-selected from a moving average of the Wanda score;
 //! - [`sheared`]: Sheared-LLaMA targeted structured pruning (hard-concrete masks, Lagrangian);
 //! - [`export`]: atomic writing of pruned models (dense HF directory or sparse form).
 //!
@@ -22,6 +24,7 @@ pub mod export;
 pub mod mask;
 pub mod pipeline;
 pub mod sparse;
+pub mod sparse_ft;
 pub mod sheared;
 pub mod sparsegpt;
 pub mod structured;

@@ -15,7 +15,7 @@ use deco_model::decoder::NoHook;
 use deco_model::host::to_host;
 use deco_quant::gptq::Hessian;
 
-use crate::mask::Pattern;
+use crate::mask::{Mask, Pattern};
 use crate::sparsegpt::{SparseGptConfig, sparsegpt_prune};
 use crate::unstructured::{ColumnNorms, Scope, magnitude_prune, wanda_prune};
 use crate::{Error, Result};
@@ -49,6 +49,9 @@ pub struct PrunedModel {
     pub zeros: usize,
     /// Weights of the pruned linears.
     pub weights: usize,
+    /// The kept/pruned flags of every pruned linear (`[out, in]`), under its transformers name:
+    /// the sparsity pattern a recovery fine-tune keeps ([`crate::sparse_ft`]).
+    pub masks: HashMap<String, Mask>,
 }
 
 impl PrunedModel {
@@ -107,22 +110,26 @@ pub fn prune_model(
         pattern.check_cols(l.dims(cfg).1)?;
     }
     let mut out = PrunedModel::default();
-    let record = |out: &mut PrunedModel, li: usize, lw: &LayerWeights| {
+    let record = |out: &mut PrunedModel, li: usize, lw: &LayerWeights, masks: Vec<(Linear, Mask)>| {
         for l in Linear::ALL {
             let w = lw.linear(l);
             out.zeros += w.iter().filter(|&&v| v == 0.0).count();
             out.weights += w.len();
             out.linears.insert(name(li, l), w.to_vec());
         }
+        for (l, m) in masks {
+            out.masks.insert(name(li, l), m);
+        }
     };
     if let Method::Magnitude(scope) = *method {
         for li in 0..cfg.num_hidden_layers {
             let mut lw = LayerWeights::fetch(cfg, li, tensor)?;
+            let mut masks = Vec::with_capacity(Linear::ALL.len());
             for l in Linear::ALL {
                 let (rows, cols) = l.dims(cfg);
-                magnitude_prune(lw.linear_mut(l), rows, cols, pattern, scope)?;
+                masks.push((l, magnitude_prune(lw.linear_mut(l), rows, cols, pattern, scope)?));
             }
-            record(&mut out, li, &lw);
+            record(&mut out, li, &lw, masks);
             progress(li);
         }
         return Ok(out);
@@ -139,6 +146,7 @@ pub fn prune_model(
         let mut lw = LayerWeights::fetch(cfg, li, tensor)?;
         let dl = c.upload(&lw);
         let (inputs, _) = c.layer_capture(&dl, x.clone())?;
+        let mut masks = Vec::with_capacity(Linear::ALL.len());
         let groups: [(usize, &[Linear]); 4] = [
             (0, &[Linear::Q, Linear::K, Linear::V]),
             (1, &[Linear::O]),
@@ -154,7 +162,7 @@ pub fn prune_model(
                     norms.add_sums(&column_sum_sq(inp)?, n)?;
                     for &l in ls {
                         let rows = l.dims(cfg).0;
-                        wanda_prune(lw.linear_mut(l), rows, cols, &norms, pattern)?;
+                        masks.push((l, wanda_prune(lw.linear_mut(l), rows, cols, &norms, pattern)?));
                     }
                 }
                 Method::SparseGpt(sg) => {
@@ -164,6 +172,7 @@ pub fn prune_model(
                         let rows = l.dims(cfg).0;
                         let r = sparsegpt_prune(lw.linear(l), rows, cols, &h, pattern, sg)?;
                         *lw.linear_mut(l) = r.weights;
+                        masks.push((l, r.mask));
                     }
                 }
                 Method::Magnitude(_) => {}
@@ -172,7 +181,7 @@ pub fn prune_model(
         drop(inputs);
         let dl = c.upload(&lw);
         x = c.layer(li, &dl, x, &NoHook)?;
-        record(&mut out, li, &lw);
+        record(&mut out, li, &lw, masks);
         progress(li);
     }
     Ok(out)

@@ -225,6 +225,32 @@ impl StudentModel {
                 return Err(Error::Shape("masks do not match the model configuration".into()));
             }
         }
+        let mask_hook = masks.map(|m| MaskHook { masks: m, heads: cfg.num_attention_heads, head_dim: cfg.head_dim, inter: cfg.intermediate_size });
+        let hook: &dyn LayerHook = match &mask_hook {
+            Some(h) => h,
+            None => &NoHook,
+        };
+        let hidden_mask = masks.map(|m| m.hidden.clone());
+        self.forward_layers(cfg, ids, freeze_embeddings, None, hook, hidden_mask)
+    }
+
+    /// The forward of [`StudentModel::forward`] with the decoder layers' weights given as views
+    /// (`layers[l]` replaces `self.layers[l]`: a sparsity-masked weight, a LoRA-adapted one; the
+    /// embedding, final norm and LM head stay this model's) and a [`LayerHook`] on every layer.
+    /// `hidden_mask` (`[hidden]`) multiplies the embedding output (Sheared-LLaMA's hidden mask).
+    ///
+    /// # Shapes
+    /// As [`StudentModel::forward`].
+    ///
+    /// # Errors
+    /// As [`StudentModel::forward`]; [`Error::InvalidParameter`] when `layers` has a length other
+    /// than the layer count.
+    pub fn forward_layers(&self, cfg: &ModelConfig, ids: &[Vec<u32>], freeze_embeddings: bool, layers: Option<&[&dyn LayerParams]>, hook: &dyn LayerHook, hidden_mask: Option<Tensor<1>>) -> Result<Tensor<2>> {
+        if let Some(l) = layers
+            && l.len() != cfg.num_hidden_layers
+        {
+            return Err(invalid("layers", format!("{} layer views for {} layers", l.len(), cfg.num_hidden_layers)));
+        }
         let seq = ids.first().map(Vec::len).unwrap_or(0);
         if seq == 0 || ids.iter().any(|s| s.len() != seq) {
             return Err(invalid("ids", "need at least one sequence, all of the same non-zero length"));
@@ -248,18 +274,17 @@ impl StudentModel {
             embed = embed.detach();
         }
         let mut x = embed.clone().select(0, idx);
-        if let Some(m) = masks {
-            x = x.mul(m.hidden.clone().unsqueeze_dim::<2>(0));
+        if let Some(m) = hidden_mask {
+            x = x.mul(m.unsqueeze_dim::<2>(0));
         }
         let spans: Vec<(usize, usize)> = (0..b).map(|s| (s * seq, seq)).collect();
         let pass = Pass { cfg, rope: &rope, positions: &pos };
-        let mask_hook = masks.map(|m| MaskHook { masks: m, heads: cfg.num_attention_heads, head_dim: cfg.head_dim, inter: cfg.intermediate_size });
-        let hook: &dyn LayerHook = match &mask_hook {
-            Some(h) => h,
-            None => &NoHook,
-        };
         for (li, layer) in self.layers.iter().enumerate() {
-            x = pass.layer(li, layer, x, &mut WindowAttention { spans: &spans }, hook)?;
+            let w: &dyn LayerParams = match layers {
+                Some(v) => v[li],
+                None => layer,
+            };
+            x = pass.layer(li, w, x, &mut WindowAttention { spans: &spans }, hook)?;
         }
         let hidden = rms_norm(x, &self.norm.val(), cfg.rms_norm_eps);
         Ok(match &self.lm_head {
