@@ -2,13 +2,17 @@
 """The interop tier's Python side (`cargo xtask interop`, docs/formats.md "Interop"): today's
 loaders read deco's exports unchanged.
 
-  ppl  --model DIR --text FILE --seqlen N [--dtype float32]
+  ppl  --model DIR --text FILE --seqlen N [--dtype float32] [--lora ADAPTER_DIR]
        loads DIR with transformers' AutoModelForCausalLM (GPTQ / AWQ through gptqmodel,
        compressed-tensors through compressed-tensors), on the CPU, tokenizes FILE with DIR's
        own tokenizer (AutoTokenizer, no special tokens), and prints the perplexity over
        non-overlapping windows of N tokens, each
        scored on its N-1 next-token predictions: the protocol of `deco eval ppl`. Prints
        one JSON line {"ppl", "tokens_scored", "windows", "quant_linear", "versions"}.
+       With --lora, the PEFT LoRA adapter directory is loaded on top with
+       `peft.PeftModel.from_pretrained` (not merged) after checking that every tensor of its
+       adapter_model.safetensors landed in the model under PEFT's own name (PEFT only warns
+       about keys it cannot place); adds "lora_tensors" to the JSON.
 
   build-quantize --sdist TARGZ --work DIR
        unpacks llama.cpp from the llama-cpp-python sdist (vendor/llama.cpp) and builds its
@@ -36,6 +40,22 @@ def cmd_ppl(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, device_map="cpu", dtype=dtype)
     model.eval()
+    lora_tensors = None
+    if args.lora:
+        from peft import PeftModel, get_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        model = PeftModel.from_pretrained(model, args.lora)
+        model.eval()
+        saved = load_file(str(Path(args.lora) / "adapter_model.safetensors"))
+        placed = get_peft_model_state_dict(model)
+        missing = sorted(set(saved) - set(placed))
+        if missing:
+            sys.exit(f"error: PEFT did not place {len(missing)} adapter tensors, e.g. {missing[:3]}")
+        for k, v in saved.items():
+            if not torch.equal(placed[k].to(v.dtype), v):
+                sys.exit(f"error: PEFT's {k} differs from the file")
+        lora_tensors = len(saved)
     # The layer classes that run the quantized linears (gptqmodel's kernels, compressed-tensors'
     # compressed linear), so the report says which loader path was exercised.
     kinds = sorted({type(m).__module__ + "." + type(m).__name__ for m in model.modules()
@@ -59,13 +79,13 @@ def cmd_ppl(args: argparse.Namespace) -> None:
             nll -= lp.gather(1, tgt[:, None]).sum().item()
             count += n - 1
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    for pkg in ("gptqmodel", "compressed_tensors"):
+    for pkg in ("gptqmodel", "compressed_tensors", "peft"):
         try:
             versions[pkg] = __import__(pkg).__version__
         except Exception:  # noqa: BLE001 - a missing optional loader is reported, not fatal
             pass
     print(json.dumps({"ppl": math.exp(nll / count), "tokens_scored": count, "windows": windows,
-                      "quant_linear": kinds, "versions": versions}))
+                      "quant_linear": kinds, "versions": versions, "lora_tensors": lora_tensors}))
 
 
 def cmd_build_quantize(args: argparse.Namespace) -> None:
@@ -94,6 +114,7 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--max-windows", type=int, default=0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--lora", default=None)
     b = sub.add_parser("build-quantize")
     b.add_argument("--sdist", required=True)
     b.add_argument("--work", required=True)

@@ -2,7 +2,7 @@
 //! docs/formats.md "Interop tier").
 //!
 //! Installs its own virtualenv (`<cache>/interop/venv`: torch, transformers 5, gptqmodel,
-//! optimum, compressed-tensors 0.20, gguf; about 6 GB, mostly torch's CUDA libraries, which
+//! optimum, compressed-tensors 0.20, gguf, peft; about 6 GB, mostly torch's CUDA libraries, which
 //! its PyPI wheel needs even on a CPU) and builds llama.cpp's `llama-quantize` from the
 //! llama-cpp-python sdist (`<cache>/build/llama.cpp-<v>-quantize`, ~6 min on 2 cores, once).
 //! Then, on SmolLM2-135M-Instruct and the first 20,000 characters of the Wikipedia test text:
@@ -15,6 +15,10 @@
 //!   (`xtask/scripts/interop.py ppl`: the text tokenized by the export's own tokenizer with
 //!   `AutoTokenizer`, the protocol of `deco eval ppl`, 16 windows of 256 tokens) must be
 //!   within 0.02 % of `deco eval ppl` on the same directory;
+//! - LoRA: a QLoRA adapter directory written by `deco lora train` (r 8, all seven linears, 3
+//!   steps) loads with `peft.PeftModel.from_pretrained` on the f32 HF export (`deco convert`),
+//!   all 420 adapter tensors under PEFT's names, with the perplexity of `deco eval ppl --lora`
+//!   within the same 0.02 %;
 //! - GGUF Q8_0, Q4_0, Q4_1: `deco quantize --format gguf-<type>` of an f32 GGUF (deco's
 //!   `gguf-f32` dequantization of the Q4_1 model) must be byte-identical to `llama-quantize
 //!   --pure` of the same f32 file.
@@ -56,6 +60,7 @@ const REQUIREMENTS: &[&str] = &[
     "optimum>=2",
     "compressed-tensors==0.20.*",
     "gguf>=0.17",
+    "peft>=0.13",
     "tokenizers",
     "cmake>=3.21,<5",
     "ninja>=1.11",
@@ -74,7 +79,7 @@ fn venv(cache: &Path) -> Result<PathBuf> {
     }
     python::ensure_packages(
         &py,
-        "import torch, transformers, gptqmodel, optimum, compressed_tensors, gguf, tokenizers, cmake, ninja",
+        "import torch, transformers, gptqmodel, optimum, compressed_tensors, gguf, peft, tokenizers, cmake, ninja",
         REQUIREMENTS,
         &[],
     )?;
@@ -82,10 +87,15 @@ fn venv(cache: &Path) -> Result<PathBuf> {
 }
 
 fn deco_ppl(deco: &Path, model: &Path, text: &Path) -> Result<f64> {
+    deco_ppl_with(deco, model, text, &[])
+}
+
+fn deco_ppl_with(deco: &Path, model: &Path, text: &Path, extra: &[&std::ffi::OsStr]) -> Result<f64> {
     let (out, err) = output(
         Command::new(deco)
             .args(["eval", "ppl", "--model"])
             .arg(model)
+            .args(extra)
             .arg("--text")
             .arg(text)
             .args(["--seqlen", "256"]),
@@ -151,6 +161,36 @@ pub fn run_interop(o: &Options) -> Result<()> {
             "loader_layers": theirs["quant_linear"], "versions": theirs["versions"], "ok": ok}));
     }
 
+    // LoRA (docs/qlora.md): a PEFT adapter directory written by `deco lora train` (QLoRA, all
+    // seven linears) loads with `peft.PeftModel.from_pretrained` on the f32 HF export of the
+    // model, every adapter tensor placed under PEFT's name, and scores the text as
+    // `deco eval ppl --lora` (adapters merged) does.
+    let hf = root.join("smollm2-hf");
+    run(Command::new(&deco).arg("convert").arg(&model).arg(&hf)).context("deco convert")?;
+    let adapter = root.join("lora-all-linear");
+    run(Command::new(&deco)
+        .args(["lora", "train", "--model"])
+        .arg(&model)
+        .args(["--quant", "nf4", "--target-modules", "all-linear", "--r", "8", "--alpha", "16", "--steps", "3", "--batch-size", "2", "--seqlen", "128", "--lr", "1e-3", "--data"])
+        .arg(o.cache.join("data/gsm_train.jsonl"))
+        .arg("--out")
+        .arg(&adapter))
+    .context("deco lora train")?;
+    let ours = deco_ppl_with(&deco, &hf, &text_path, &["--lora".as_ref(), adapter.as_os_str()])?;
+    let (out, err) = output(Command::new(&py).arg(&script).args(["ppl", "--model"]).arg(&hf).arg("--text").arg(&text_path).args(["--seqlen", "256", "--lora"]).arg(&adapter))
+        .context("peft could not load deco's LoRA adapter")?;
+    let line = out.lines().rev().find(|l| l.starts_with('{')).with_context(|| format!("interop.py ppl --lora printed no result: {out}\n{err}"))?;
+    let theirs: Value = serde_json::from_str(line)?;
+    let ppl = theirs["ppl"].as_f64().context("no ppl")?;
+    let rel = (ours - ppl).abs() / ppl;
+    let placed = theirs["lora_tensors"].as_u64().unwrap_or(0);
+    let ok = rel <= PPL_TOLERANCE && placed == 420;
+    eprintln!("{:>22}: deco ppl {ours:.4}, transformers + peft {ppl:.4} (rel. diff {:.4} %), {placed} adapter tensors placed: {}", "lora r8 all-linear", rel * 100.0, if ok { "ok" } else { "FAIL" });
+    if !ok {
+        failures.push(format!("LoRA: perplexity differs by {:.4} % (limit {:.2} %) or {placed} of 420 adapter tensors placed", rel * 100.0, PPL_TOLERANCE * 100.0));
+    }
+    rows.push(json!({"format": "peft lora r8 all-linear", "deco_ppl": ours, "loader_ppl": ppl, "rel_diff": rel, "lora_tensors": placed, "versions": theirs["versions"], "ok": ok}));
+
     // GGUF Q8_0 / Q4_0 / Q4_1 against llama-quantize --pure of the same f32 file.
     let f32 = root.join("smollm2-f32.gguf");
     run(Command::new(&deco).args(["quantize", "--model"]).arg(&model).args(["--format", "gguf-f32", "--out"]).arg(&f32)).context("deco quantize --format gguf-f32")?;
@@ -185,8 +225,8 @@ pub fn run_interop(o: &Options) -> Result<()> {
     fs::write(&path, serde_json::to_string_pretty(&report)?)?;
     eprintln!("report: {}", path.display());
     ensure!(failures.is_empty(), "interop tier failed:\n  {}", failures.join("\n  "));
-    if rows.len() != 4 {
-        bail!("expected 4 loader checks, ran {}", rows.len());
+    if rows.len() != 5 {
+        bail!("expected 5 loader checks, ran {}", rows.len());
     }
     Ok(())
 }

@@ -189,26 +189,7 @@ pub fn run(args: &DistillArgs) -> Result<()> {
     );
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let log_path = args.out.join("distill_log.csv");
-    if args.resume && log_path.exists() {
-        // A killed run may have logged steps past its last checkpoint, or half a line: keep the
-        // header and the complete lines up to the step resumed from (rewritten crash-safely).
-        let old = std::fs::read_to_string(&log_path).with_context(|| format!("reading {}", log_path.display()))?;
-        let kept: String = old
-            .lines()
-            .enumerate()
-            .filter(|(i, l)| {
-                let fields: Vec<&str> = l.split(',').collect();
-                *i == 0 || (fields.len() == 4 && fields[0].parse::<usize>().is_ok_and(|s| s <= start_step))
-            })
-            .map(|(_, l)| format!("{l}\n"))
-            .collect();
-        deco_formats::atomic::write_file(&log_path, kept.as_bytes()).with_context(|| format!("rewriting {}", log_path.display()))?;
-    }
-    let new_log = !log_path.exists();
-    let mut log_file = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).with_context(|| format!("{}", log_path.display()))?;
-    if new_log {
-        writeln!(log_file, "step,loss,tokens,secs")?;
-    }
+    let mut log_file = crate::runtime::open_step_log(&log_path, args.resume, start_step)?;
 
     let pb = ProgressBar::new(args.steps as u64);
     if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps, {elapsed} (eta {eta})") {

@@ -13,6 +13,7 @@ mod prune;
 mod quantize;
 mod kld;
 mod layer_error;
+mod lora;
 mod runtime;
 mod serve;
 
@@ -57,6 +58,10 @@ enum Command {
     /// `deco generate --autodeco HEADS`).
     #[command(subcommand)]
     Autodeco(autodeco::AutodecoCommand),
+    /// LoRA / QLoRA adapters: train them on a frozen (NF4 or f32) base, evaluate them (apply
+    /// them with `--lora DIR` on generate, serve, eval ppl).
+    #[command(subcommand)]
+    Lora(lora::LoraCommand),
     /// Quantize a model (RTN, GPTQ, NF4) and write it as GPTQ / AWQ / compressed-tensors / GGUF /
     /// fake-quantized f32.
     Quantize(quantize::QuantizeArgs),
@@ -93,6 +98,11 @@ pub struct ModelArgs {
     /// accurate (see docs/performance.md). Needs a CPU with AVX-512 VNNI.
     #[arg(long)]
     pub q8_activations: bool,
+    /// PEFT LoRA adapter directory (`deco lora train`, `peft` `save_pretrained`) merged into the
+    /// weights at load, `W + lora_alpha/r · B·A`; the model is then held in f32 (no packed GGUF
+    /// blocks).
+    #[arg(long)]
+    pub lora: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -124,6 +134,7 @@ fn main() -> ExitCode {
         Command::Eval(EvalCommand::EarlyExit(args)) => early_exit_eval::run(&args),
         Command::Eval(EvalCommand::LayerError(args)) => layer_error::run(&args),
         Command::Quantize(args) => quantize::run(&args),
+        Command::Lora(cmd) => lora::run(&cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -315,7 +315,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     if args.out.exists() && !(args.out.is_dir() && std::fs::read_dir(&args.out).map(|mut d| d.next().is_none()).unwrap_or(false)) {
         bail!("{}: exists (the output must not exist, or be an empty directory)", args.out.display());
     }
-    let margs = ModelArgs { model: args.model.clone(), device: args.device.clone(), threads: args.threads, q8_activations: false };
+    let margs = ModelArgs { model: args.model.clone(), device: args.device.clone(), threads: args.threads, q8_activations: false, lora: None };
     let device = crate::runtime::device(&margs)?;
     let ckpt = Checkpoint::open(&args.model)?;
     let cfg = ckpt.config.clone();

@@ -42,8 +42,34 @@ pub fn load(args: &ModelArgs) -> Result<(Llama, Tokenizer)> {
     let ckpt = Checkpoint::open(&args.model)?;
     let tok = load_tokenizer(&args.model)?;
     // Checkpoint errors already name the file and the tensor.
-    let model = Llama::load(&ckpt, &device, None)?;
+    let model = load_llama(&ckpt, &device, None, args.lora.as_deref())?;
     Ok((model, tok))
+}
+
+/// Loads the weights of `ckpt`, with the PEFT LoRA adapters of `lora` merged in
+/// (`deco_compress::lora::HostAdapters::merged_source`: `W + s·B·A` for every adapted linear,
+/// all weights then dense f32) when given.
+///
+/// # Errors
+/// Checkpoint errors; an adapter directory that cannot be read or does not fit the model (the
+/// message names the directory and the problem).
+pub fn load_llama(ckpt: &Checkpoint, device: &Device, max_positions: Option<usize>, lora: Option<&Path>) -> Result<Llama> {
+    let Some(dir) = lora else {
+        return Ok(Llama::load(ckpt, device, max_positions)?);
+    };
+    let adapters = deco_compress::lora::HostAdapters::load(dir, &ckpt.config).with_context(|| format!("--lora {}", dir.display()))?;
+    let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ckpt.tensor(n)?) };
+    let merged = adapters.merged_source(&src);
+    let c = &adapters.config;
+    eprintln!(
+        "lora: merging {} adapters (r={}, lora_alpha={}, scaling {}) from {} into f32 weights",
+        adapters.weights.len(),
+        c.r,
+        c.lora_alpha,
+        c.scaling(),
+        dir.display()
+    );
+    Ok(Llama::load_from(&ckpt.config, &merged, device, max_positions)?)
 }
 
 /// Number of non-overlapping `seqlen`-token windows of `tokens` tokens to score, at most
@@ -102,4 +128,34 @@ pub fn checkpoints(out: &Path) -> Result<Vec<(usize, PathBuf)>> {
     }
     v.sort();
     Ok(v)
+}
+
+/// Opens the training log `path` (`step,loss,tokens,secs`) for appending, writing the header to a
+/// new file. With `resume`, a killed run may have logged steps past its last checkpoint, or half
+/// a line: only the header and the complete lines up to `start_step` are kept (rewritten
+/// crash-safely) (`deco distill`, `deco lora train`).
+///
+/// # Errors
+/// An unreadable or unwritable log.
+pub fn open_step_log(path: &Path, resume: bool, start_step: usize) -> Result<std::fs::File> {
+    use std::io::Write;
+    if resume && path.exists() {
+        let old = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let kept: String = old
+            .lines()
+            .enumerate()
+            .filter(|(i, l)| {
+                let fields: Vec<&str> = l.split(',').collect();
+                *i == 0 || (fields.len() == 4 && fields[0].parse::<usize>().is_ok_and(|s| s <= start_step))
+            })
+            .map(|(_, l)| format!("{l}\n"))
+            .collect();
+        deco_formats::atomic::write_file(path, kept.as_bytes()).with_context(|| format!("rewriting {}", path.display()))?;
+    }
+    let new_log = !path.exists();
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("{}", path.display()))?;
+    if new_log {
+        writeln!(f, "step,loss,tokens,secs")?;
+    }
+    Ok(f)
 }

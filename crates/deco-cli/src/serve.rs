@@ -91,7 +91,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let device = crate::runtime::device(&args.model)?;
     let ckpt = deco_formats::checkpoint::Checkpoint::open(&args.model.model)?;
     let tokenizer = Arc::new(crate::runtime::load_tokenizer(&args.model.model)?);
-    let model = deco_model::Llama::load(&ckpt, &device, args.max_model_len)
+    let model = crate::runtime::load_llama(&ckpt, &device, args.max_model_len, args.model.lora.as_deref())
         .with_context(|| format!("loading weights from {}", args.model.model.display()))?;
     let cfg = &model.config;
     let bytes_per_block = 2 * cfg.num_hidden_layers * args.block_size * cfg.num_key_value_heads * cfg.head_dim * 4;

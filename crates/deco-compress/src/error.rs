@@ -27,6 +27,14 @@ pub enum Error {
         /// What is wrong.
         msg: String,
     },
+    /// A LoRA adapter directory that cannot be read or written (`deco_compress::lora`).
+    #[error("{path}: invalid LoRA adapter: {msg}")]
+    Adapter {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
     /// A file system operation failed.
     #[error("{path}: {source}")]
     Io {

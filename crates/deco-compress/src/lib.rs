@@ -14,6 +14,7 @@
 //! - [`sparse_ft`]: sparse fine-tuning after pruning, fixed mask (masked gradients) or masks
 //!   re-selected from a moving average of the Wanda score;
 //! - [`sheared`]: Sheared-LLaMA targeted structured pruning (hard-concrete masks, Lagrangian);
+//! - [`lora`]: LoRA / QLoRA adapters (NF4 base) on the student's decoder, PEFT's file layout;
 //! - [`export`]: atomic writing of pruned models (dense HF directory or sparse form).
 //!
 //! Weights are `[out, in]` row-major f32 under transformers names throughout.
@@ -21,6 +22,7 @@
 pub mod error;
 pub mod distill;
 pub mod export;
+pub mod lora;
 pub mod mask;
 pub mod pipeline;
 pub mod sparse;
