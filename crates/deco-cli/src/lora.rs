@@ -254,8 +254,14 @@ fn train(args: &TrainArgs) -> Result<()> {
         let Some((step, path)) = existing.last().cloned() else {
             bail!("--resume: no checkpoint-NNNNNN directory in {}", args.out.display());
         };
-        if step >= args.steps {
-            bail!("--resume: the last checkpoint is at step {step}, nothing to do for --steps {}", args.steps);
+        if step > args.steps {
+            bail!("--resume: the last checkpoint is at step {step}, past --steps {}", args.steps);
+        }
+        if step == args.steps {
+            // Training finished; a kill may have stopped the installation of the final files.
+            install_final(&args.out, args.steps)?;
+            println!("[lora] steps={step}..{step} (already trained; final adapter installed from {}) out={}", path.display(), args.out.display());
+            return Ok(());
         }
         Some((step, path))
     } else {
@@ -348,13 +354,7 @@ fn train(args: &TrainArgs) -> Result<()> {
     };
     train_lora(&base, adapters, &cfg, &lc, &seqs, pad, &tc, start_step, args.checkpoint_every, &mut progress, &mut save)?;
     pb.finish();
-    // The final adapter at the top of OUT (each file installed atomically; the weights first so
-    // that a config never names missing weights).
-    let last = args.out.join(format!("checkpoint-{:06}", args.steps));
-    for f in [deco_compress::lora::ADAPTER_WEIGHTS, deco_compress::lora::DECO_LORA_META, deco_compress::lora::ADAPTER_CONFIG] {
-        let bytes = std::fs::read(last.join(f)).with_context(|| format!("reading {}", last.join(f).display()))?;
-        deco_formats::atomic::write_file(&args.out.join(f), &bytes).with_context(|| format!("writing {}", args.out.join(f).display()))?;
-    }
+    install_final(&args.out, args.steps)?;
     println!(
         "[lora] quant={} r={} alpha={} target_modules={} trainable_params={trainable} steps={}..{} step_s={:.2} minutes={:.2} loss_first={first_loss:.4} loss_last={last_loss:.4} out={}",
         quant_name(args.quant),
@@ -367,6 +367,18 @@ fn train(args: &TrainArgs) -> Result<()> {
         t0.elapsed().as_secs_f64() / 60.0,
         args.out.display()
     );
+    Ok(())
+}
+
+/// Installs the adapter of `out/checkpoint-<steps>` at the top of `out` (each file atomically;
+/// the weights first so that a config never names missing weights). A run killed during this
+/// step is completed by `--resume`.
+fn install_final(out: &Path, steps: usize) -> Result<()> {
+    let last = out.join(format!("checkpoint-{steps:06}"));
+    for f in [deco_compress::lora::ADAPTER_WEIGHTS, deco_compress::lora::DECO_LORA_META, deco_compress::lora::ADAPTER_CONFIG] {
+        let bytes = std::fs::read(last.join(f)).with_context(|| format!("reading {}", last.join(f).display()))?;
+        deco_formats::atomic::write_file(&out.join(f), &bytes).with_context(|| format!("writing {}", out.join(f).display()))?;
+    }
     Ok(())
 }
 

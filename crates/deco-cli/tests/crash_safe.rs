@@ -306,3 +306,83 @@ fn autodeco_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
     eprintln!("autodeco train: uninterrupted {wall:?}; resumed from {resumed_from:?}");
     assert!(!resumed_from.is_empty(), "no kill landed after a checkpoint: the resume path was not exercised");
 }
+
+#[test]
+fn lora_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
+    use deco_compress::lora::HostAdapters;
+    let m = smollm2_gguf();
+    let cfg = Checkpoint::open(&m).expect("model").config;
+    let tmp = tempfile::tempdir().expect("tmp");
+    let data = tmp.path().join("gsm.jsonl");
+    let lines: Vec<String> = (1..=4)
+        .map(|i| serde_json::json!({"question": format!("Ann has {i} pens and buys 3 more. How many?"), "answer": format!("{i} + 3 = {}\n#### {}", i + 3, i + 3)}).to_string())
+        .collect();
+    std::fs::write(&data, lines.join("\n")).expect("data");
+    let steps = 6;
+    let train = |out: &Path, resume: bool| {
+        let mut c = deco();
+        c.args(["lora", "train", "--quant", "none", "--target-modules", "q_proj,down_proj", "--r", "2", "--alpha", "4", "--batch-size", "1", "--seqlen", "48", "--lr", "1e-3"])
+            .args(["--checkpoint-every", "2", "--steps", &steps.to_string(), "--model"])
+            .arg(&m)
+            .arg("--data")
+            .arg(&data)
+            .arg("--out")
+            .arg(out);
+        if resume {
+            c.arg("--resume");
+        }
+        c
+    };
+    let losses = |log: &str| -> Vec<(usize, f64)> {
+        log.lines().skip(1).map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f[0].parse().expect("step"), f[1].parse().expect("loss"))
+        }).collect()
+    };
+    let reference = tmp.path().join("reference");
+    let wall = run_ok(train(&reference, false));
+    let ref_log = losses(&std::fs::read_to_string(reference.join("lora_log.csv")).expect("log"));
+    let out = tmp.path().join("adapter");
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let mut resumed_from = Vec::new();
+    let done = |out: &Path| out.join(deco_compress::lora::ADAPTER_CONFIG).is_file();
+    // A run killed before its first checkpoint leaves at most `lora_log.csv`: nothing to resume
+    // from, and a fresh run refuses a non-empty OUT, so the user (and this loop) starts over.
+    let restart_if_nothing_to_resume = |out: &Path| {
+        if checkpoints(out).is_empty() && out.exists() {
+            assert!(!done(out), "a final adapter without checkpoints: {:?}", visible(out));
+            std::fs::remove_dir_all(out).expect("remove");
+        }
+    };
+    for _ in 0..12 {
+        restart_if_nothing_to_resume(&out);
+        let resume = !checkpoints(&out).is_empty();
+        if let Some(last) = checkpoints(&out).last().filter(|_| resume) {
+            resumed_from.push(last.file_name().expect("name").to_string_lossy().into_owned());
+        }
+        let finished = kill_after(train(&out, resume), wall.mul_f64(rng.random_range(0.3..0.9)));
+        // Every visible checkpoint is a complete adapter for this model.
+        for ck in checkpoints(&out) {
+            HostAdapters::load(&ck, &cfg).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
+        }
+        if finished && done(&out) {
+            break;
+        }
+    }
+    if !done(&out) {
+        restart_if_nothing_to_resume(&out);
+        run_ok(train(&out, !checkpoints(&out).is_empty()));
+    }
+    let final_adapter = HostAdapters::load(&out, &cfg).expect("final adapter loads");
+    assert_eq!(final_adapter.weights.len(), 2 * cfg.num_hidden_layers, "q_proj and down_proj adapters in every layer");
+    // The log holds each step once, in order; up to the first checkpoint resumed from, the
+    // losses are the uninterrupted run's (same batches, same adapters).
+    let log = losses(&std::fs::read_to_string(out.join("lora_log.csv")).expect("log"));
+    assert_eq!(log.iter().map(|r| r.0).collect::<Vec<_>>(), (1..=steps).collect::<Vec<_>>(), "lora_log.csv: {log:?}");
+    let first_resume = resumed_from.iter().filter_map(|n| n.strip_prefix("checkpoint-")?.parse::<usize>().ok()).min().unwrap_or(steps);
+    for (a, b) in log.iter().zip(&ref_log).take(first_resume) {
+        assert!((a.1 - b.1).abs() <= 1e-4 * b.1.abs().max(1.0), "step {}: loss {} vs the uninterrupted run's {}", a.0, a.1, b.1);
+    }
+    eprintln!("lora train: uninterrupted {wall:?}; resumed from {resumed_from:?}");
+    assert!(!resumed_from.is_empty(), "no kill landed after a checkpoint: the resume path was not exercised");
+}
