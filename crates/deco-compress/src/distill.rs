@@ -383,6 +383,29 @@ fn tensor2(data: Vec<f32>, rows: usize, cols: usize, device: &Device) -> Tensor<
     Tensor::from_data(TensorData::new(data, [rows, cols]), device)
 }
 
+/// Adam (burn-optim defaults) with gradient clipping by norm per parameter tensor when
+/// `clip_norm` is given: the optimizer of every training loop of this crate.
+pub(crate) fn adam_config(clip_norm: Option<f32>) -> AdamConfig {
+    let adam = AdamConfig::new();
+    match clip_norm {
+        Some(c) => adam.with_grad_clipping(Some(GradientClippingConfig::Norm(c))),
+        None => adam,
+    }
+}
+
+/// The value of a training step's loss, or an error advising a lower learning rate when it is
+/// not finite.
+///
+/// # Errors
+/// [`Error::InvalidParameter`] (`lr`) for a NaN or infinite loss; a failed device read.
+pub(crate) fn loss_value(loss: &Tensor<1>, step: usize) -> Result<f64> {
+    let lv = scalar(loss.clone())?;
+    if !lv.is_finite() {
+        return Err(invalid("lr", format!("loss became {lv} at step {step}; lower the learning rate")));
+    }
+    Ok(lv)
+}
+
 pub(crate) fn scalar(t: Tensor<1>) -> Result<f64> {
     let v = deco_model::host::to_host(t.detach().reshape([1, 1]))?;
     Ok(f64::from(v.first().copied().unwrap_or(f32::NAN)))
@@ -536,20 +559,13 @@ pub fn distill(
     if teacher.vocab() != cfg.vocab_size {
         return Err(invalid("teacher", format!("teacher vocabulary {} != student vocabulary {}", teacher.vocab(), cfg.vocab_size)));
     }
-    let mut adam = AdamConfig::new();
-    if let Some(c) = dc.clip_norm {
-        adam = adam.with_grad_clipping(Some(GradientClippingConfig::Norm(c)));
-    }
-    let mut optim = adam.init();
+    let mut optim = adam_config(dc.clip_norm).init();
     let mut log = Vec::new();
     for step in start_step + 1..=dc.steps {
         let t0 = Instant::now();
         let mut rng = step_rng(dc.seed, step);
         let (loss, tokens) = batch_loss(&student, cfg, teacher, data, dc, &mut rng)?;
-        let lv = scalar(loss.clone())?;
-        if !lv.is_finite() {
-            return Err(invalid("lr", format!("loss became {lv} at step {step}; lower the learning rate")));
-        }
+        let lv = loss_value(&loss, step)?;
         let grads = GradientsParams::from_grads(loss.backward(), &student);
         student = optim.step(dc.lr, student, grads);
         let row = StepLog { step, loss: lv, tokens, secs: t0.elapsed().as_secs_f64() };

@@ -33,8 +33,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use burn::module::{Module, Param};
-use burn::optim::grad_clipping::GradientClippingConfig;
-use burn::optim::{AdamConfig, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 use deco_formats::config::ModelConfig;
 use deco_model::calibrate::Linear;
@@ -45,7 +44,7 @@ use deco_quant::scheme::{Granularity, Scheme};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::distill::{CotSequence, StepLog, TokenKind, check_schedule, cross_entropy_weighted, scalar, step_rng};
+use crate::distill::{CotSequence, StepLog, TokenKind, adam_config, check_schedule, cross_entropy_weighted, loss_value, scalar, step_rng};
 use crate::pipeline::TensorFn;
 use crate::student::{StudentLayer, StudentModel};
 use crate::{Error, Result, invalid, io_err};
@@ -854,11 +853,7 @@ pub fn train_lora(
         return Err(invalid("data", "no training sequences"));
     }
     let device = base.embed.val().device();
-    let mut adam = AdamConfig::new();
-    if let Some(c) = tc.clip_norm {
-        adam = adam.with_grad_clipping(Some(GradientClippingConfig::Norm(c)));
-    }
-    let mut optim = adam.init();
+    let mut optim = adam_config(tc.clip_norm).init();
     let mut log = Vec::new();
     for step in start_step + 1..=tc.steps {
         let t0 = Instant::now();
@@ -869,10 +864,7 @@ pub fn train_lora(
         let tokens = b.ids.len() * b.ids.first().map_or(0, Vec::len);
         let logits = lora_forward(base, &adapters, cfg, lc, &b.ids, true)?;
         let loss = cross_entropy_weighted(logits, &b.labels, &b.weights)?;
-        let lv = scalar(loss.clone())?;
-        if !lv.is_finite() {
-            return Err(invalid("lr", format!("loss became {lv} at step {step}; lower the learning rate")));
-        }
+        let lv = loss_value(&loss, step)?;
         let grads = GradientsParams::from_grads(loss.backward(), &adapters);
         adapters = optim.step(tc.lr, adapters, grads);
         let row = StepLog { step, loss: lv, tokens, secs: t0.elapsed().as_secs_f64() };

@@ -27,15 +27,14 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::time::Instant;
 
-use burn::optim::grad_clipping::GradientClippingConfig;
-use burn::optim::{AdamConfig, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
 use deco_formats::config::ModelConfig;
 use deco_model::calibrate::Linear;
 use deco_model::decoder::{Branch, LayerHook, LayerParams, Proj, Site};
 use deco_model::host::{fuse_transposed, to_host, transpose};
 
-use crate::distill::{StepLog, check_schedule, cross_entropy_weighted, next_token_labels, scalar, step_rng, windows};
+use crate::distill::{StepLog, adam_config, check_schedule, cross_entropy_weighted, loss_value, next_token_labels, step_rng, windows};
 use crate::mask::{Mask, Pattern, select_per_row};
 use crate::student::{HfTensors, StudentLayer, StudentModel};
 use crate::{Error, Result, invalid};
@@ -337,11 +336,7 @@ pub fn sparse_finetune(
         MaskUpdate::Fixed => None,
     };
     let mut scores: Vec<[Score; 4]> = Vec::new();
-    let mut adam = AdamConfig::new();
-    if let Some(c) = sc.clip_norm {
-        adam = adam.with_grad_clipping(Some(GradientClippingConfig::Norm(c)));
-    }
-    let mut optim = adam.init();
+    let mut optim = adam_config(sc.clip_norm).init();
     let mut log = Vec::with_capacity(sc.steps);
     let mut mask_log = Vec::new();
     for step in 1..=sc.steps {
@@ -356,10 +351,7 @@ pub fn sparse_finetune(
         drop(views);
         let (labels, w) = next_token_labels(&ids);
         let loss = cross_entropy_weighted(logits, &labels, &w)?;
-        let lv = scalar(loss.clone())?;
-        if !lv.is_finite() {
-            return Err(invalid("lr", format!("loss became {lv} at step {step}; lower the learning rate")));
-        }
+        let lv = loss_value(&loss, step)?;
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(sc.lr, model, grads);
         if let Some((beta, every)) = ema {
