@@ -630,7 +630,7 @@ impl PackedMatrix {
                     let row = self.row(r);
                     let mut t = t0;
                     while t < t1 {
-                        let take = if t1 - t >= group { group } else { 1 };
+                        let take = (t1 - t).min(group);
                         let mut out = [0.0f32; 4];
                         match isa {
                             #[cfg(target_arch = "x86_64")]
@@ -640,10 +640,11 @@ impl PackedMatrix {
                                 // SAFETY: AVX2/FMA/F16C were detected (`isa` is available); `row`
                                 // holds `nb` blocks; tokens t .. t + take exist in x and xsum.
                                 unsafe {
-                                    if take == 4 {
-                                        out = x86::dot_multi::<4>(ty, row, nb, xp, cols, xs);
-                                    } else {
-                                        out[0] = x86::dot_multi::<1>(ty, row, nb, xp, cols, xs)[0];
+                                    match take {
+                                        4 => out = x86::dot_multi::<4>(ty, row, nb, xp, cols, xs),
+                                        3 => out[..3].copy_from_slice(&x86::dot_multi::<3>(ty, row, nb, xp, cols, xs)),
+                                        2 => out[..2].copy_from_slice(&x86::dot_multi::<2>(ty, row, nb, xp, cols, xs)),
+                                        _ => out[0] = x86::dot_multi::<1>(ty, row, nb, xp, cols, xs)[0],
                                     }
                                 }
                             }
@@ -679,8 +680,12 @@ impl PackedMatrix {
             unsafe {
                 match (rk, tk) {
                     (TILE_R, TILE_T) => x86_512::tile::<TILE_R, TILE_T>(ty, wp, self.row_bytes(), nb, xp, cols),
+                    (TILE_R, 3) => widen(x86_512::tile::<TILE_R, 3>(ty, wp, self.row_bytes(), nb, xp, cols)),
+                    (TILE_R, 2) => widen(x86_512::tile::<TILE_R, 2>(ty, wp, self.row_bytes(), nb, xp, cols)),
                     (TILE_R, _) => widen(x86_512::tile::<TILE_R, 1>(ty, wp, self.row_bytes(), nb, xp, cols)),
                     (_, TILE_T) => widen(x86_512::tile::<1, TILE_T>(ty, wp, self.row_bytes(), nb, xp, cols)),
+                    (_, 3) => widen(x86_512::tile::<1, 3>(ty, wp, self.row_bytes(), nb, xp, cols)),
+                    (_, 2) => widen(x86_512::tile::<1, 2>(ty, wp, self.row_bytes(), nb, xp, cols)),
                     _ => widen(x86_512::tile::<1, 1>(ty, wp, self.row_bytes(), nb, xp, cols)),
                 }
             }
@@ -702,8 +707,12 @@ impl PackedMatrix {
             unsafe {
                 match (rk, tk) {
                     (TILE_R, TILE_T) => x86_512::q8_tile::<TILE_R, TILE_T>(ty, wp, rb, nb, xq, xd, xs, cols),
+                    (TILE_R, 3) => widen(x86_512::q8_tile::<TILE_R, 3>(ty, wp, rb, nb, xq, xd, xs, cols)),
+                    (TILE_R, 2) => widen(x86_512::q8_tile::<TILE_R, 2>(ty, wp, rb, nb, xq, xd, xs, cols)),
                     (TILE_R, _) => widen(x86_512::q8_tile::<TILE_R, 1>(ty, wp, rb, nb, xq, xd, xs, cols)),
                     (_, TILE_T) => widen(x86_512::q8_tile::<1, TILE_T>(ty, wp, rb, nb, xq, xd, xs, cols)),
+                    (_, 3) => widen(x86_512::q8_tile::<1, 3>(ty, wp, rb, nb, xq, xd, xs, cols)),
+                    (_, 2) => widen(x86_512::q8_tile::<1, 2>(ty, wp, rb, nb, xq, xd, xs, cols)),
                     _ => widen(x86_512::q8_tile::<1, 1>(ty, wp, rb, nb, xq, xd, xs, cols)),
                 }
             }
@@ -734,7 +743,9 @@ impl PackedMatrix {
                 let s1 = (s0 + sub).min(end);
                 let mut t = 0;
                 while t < n {
-                    let tk = if n - t >= TILE_T { TILE_T } else { 1 };
+                    // Leftover tokens (2 or 3: a speculative or tree verification) share one
+                    // tile too, so that each row is unpacked once for them.
+                    let tk = (n - t).min(TILE_T);
                     let mut r = s0;
                     while r < s1 {
                         let rk = if s1 - r >= TILE_R { TILE_R } else { 1 };
