@@ -11,7 +11,7 @@ use deco_tests::smollm2_gguf;
 fn logits(model: &Llama, tokens: &[u32]) -> Vec<f32> {
     let mut cache = DenseKvCache::new(model.config.num_hidden_layers);
     model
-        .forward(&[SeqInput { seq: 0, tokens }], &mut cache, LogitsWanted::Last)
+        .forward(&[SeqInput { seq: 0, tokens, tree: None }], &mut cache, LogitsWanted::Last)
         .expect("forward")
         .logits_rows()
         .expect("logits")

@@ -93,7 +93,7 @@ fn beam_search_sequence_logprob_is_at_least_greedys() {
     let rescore = |tokens: &[u32]| -> f64 {
         let full: Vec<u32> = prompt.iter().chain(tokens).copied().collect();
         let mut cache = deco_model::DenseKvCache::new(m.num_layers());
-        let rows = m.forward(&[deco_model::SeqInput { seq: 0, tokens: &full }], &mut cache, deco_model::LogitsWanted::All).expect("fwd").logits_rows().expect("rows");
+        let rows = m.forward(&[deco_model::SeqInput { seq: 0, tokens: &full, tree: None }], &mut cache, deco_model::LogitsWanted::All).expect("fwd").logits_rows().expect("rows");
         tokens.iter().enumerate().map(|(i, &t)| f64::from(deco_decoding::math::log_softmax(&rows[prompt.len() - 1 + i])[t as usize])).sum()
     };
     let greedy_lp = rescore(&sample_on_engine(&prompt, &params));
@@ -188,7 +188,7 @@ fn bench_decoding() {
     let ids: Vec<u32> = tokens(&text).into_iter().take(257).collect();
     let mut cache = deco_model::DenseKvCache::new(m.num_layers());
     let full = m
-        .forward(&[deco_model::SeqInput { seq: 0, tokens: &ids[..256] }], &mut cache, deco_model::LogitsWanted::All)
+        .forward(&[deco_model::SeqInput { seq: 0, tokens: &ids[..256], tree: None }], &mut cache, deco_model::LogitsWanted::All)
         .expect("full")
         .logits_rows()
         .expect("rows");
@@ -231,7 +231,7 @@ fn early_exit_limits_match_full_and_truncated_forwards() {
     let (last, head) = ids.split_last().expect("ids");
     let full_next = |num_layers: usize| {
         let mut c = DenseKvCache::new(num_layers);
-        m.forward_partial(&[SeqInput { seq: 0, tokens: &ids }], &mut c, LogitsWanted::Last, num_layers)
+        m.forward_partial(&[SeqInput { seq: 0, tokens: &ids, tree: None }], &mut c, LogitsWanted::Last, num_layers)
             .expect("fwd")
             .logits_rows()
             .expect("rows")
@@ -240,14 +240,14 @@ fn early_exit_limits_match_full_and_truncated_forwards() {
     let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
     // Threshold 0 never exits: the full model.
     let mut c = DenseKvCache::new(m.num_layers());
-    m.forward(&[SeqInput { seq: 0, tokens: head }], &mut c, LogitsWanted::Last).expect("prefill");
+    m.forward(&[SeqInput { seq: 0, tokens: head, tree: None }], &mut c, LogitsWanted::Last).expect("prefill");
     let never = EarlyExitConfig { entropy_threshold: 0.0, min_layers: 8, check_every: 4 };
     let step = m.forward_early_exit(0, *last, &mut c, &never).expect("ee");
     assert_eq!(step.exit_layer, 30);
     assert!(max_diff(&step.logits, &full_next(30)) < 1e-3);
     // A huge threshold exits at min_layers: the first 8 layers + norm + head.
     let mut c = DenseKvCache::new(m.num_layers());
-    m.forward(&[SeqInput { seq: 0, tokens: head }], &mut c, LogitsWanted::Last).expect("prefill");
+    m.forward(&[SeqInput { seq: 0, tokens: head, tree: None }], &mut c, LogitsWanted::Last).expect("prefill");
     let always = EarlyExitConfig { entropy_threshold: 1e9, min_layers: 8, check_every: 4 };
     let step = m.forward_early_exit(0, *last, &mut c, &always).expect("ee");
     assert_eq!(step.exit_layer, 8);

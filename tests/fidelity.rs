@@ -34,7 +34,7 @@ fn last_position_logits_match_float64_reference() {
         let i = p["index"].as_u64().expect("index");
         let tokens = ids(&p["ids"]);
         let mut cache = DenseKvCache::new(m.config.num_hidden_layers);
-        let out = m.forward(&[SeqInput { seq: 0, tokens: &tokens }], &mut cache, LogitsWanted::Last).expect("forward");
+        let out = m.forward(&[SeqInput { seq: 0, tokens: &tokens, tree: None }], &mut cache, LogitsWanted::Last).expect("forward");
         let got = out.logits_rows().expect("logits").remove(0);
         let (shape, want) = &g.tensors[&format!("prompt{i}.last_logits")];
         assert_eq!(shape, &vec![m.config.vocab_size]);
@@ -52,7 +52,7 @@ fn all_position_logits_match_float64_reference() {
     let m = model();
     let tokens = ids(&g.prompts[0]["ids"]);
     let mut cache = DenseKvCache::new(m.config.num_hidden_layers);
-    let out = m.forward(&[SeqInput { seq: 0, tokens: &tokens }], &mut cache, LogitsWanted::All).expect("forward");
+    let out = m.forward(&[SeqInput { seq: 0, tokens: &tokens, tree: None }], &mut cache, LogitsWanted::All).expect("forward");
     let rows = out.logits_rows().expect("logits");
     let (shape, want) = &g.tensors["prompt0.all_logits"];
     assert_eq!(shape, &vec![tokens.len(), m.config.vocab_size]);
@@ -75,7 +75,7 @@ fn kv_cache_incremental_equals_full_recompute() {
 
     let mut full_cache = DenseKvCache::new(m.config.num_hidden_layers);
     let full = m
-        .forward(&[SeqInput { seq: 7, tokens: &tokens }], &mut full_cache, LogitsWanted::All)
+        .forward(&[SeqInput { seq: 7, tokens: &tokens, tree: None }], &mut full_cache, LogitsWanted::All)
         .expect("full forward")
         .logits_rows()
         .expect("logits");
@@ -90,7 +90,7 @@ fn kv_cache_incremental_equals_full_recompute() {
         }
         let end = (pos + chunk).min(tokens.len());
         let out = m
-            .forward(&[SeqInput { seq: 7, tokens: &tokens[pos..end] }], &mut cache, LogitsWanted::All)
+            .forward(&[SeqInput { seq: 7, tokens: &tokens[pos..end], tree: None }], &mut cache, LogitsWanted::All)
             .expect("incremental forward")
             .logits_rows()
             .expect("logits");
@@ -114,10 +114,10 @@ fn batched_ragged_forward_equals_single_sequence_forward() {
     let b = ids(&g.prompts[3]["ids"]);
     let mut cache = DenseKvCache::new(m.config.num_hidden_layers);
     // Give sequence 2 some history first so the batch mixes positions.
-    m.forward(&[SeqInput { seq: 2, tokens: &b[..4] }], &mut cache, LogitsWanted::Last).expect("warm-up");
+    m.forward(&[SeqInput { seq: 2, tokens: &b[..4], tree: None }], &mut cache, LogitsWanted::Last).expect("warm-up");
     let out = m
         .forward(
-            &[SeqInput { seq: 1, tokens: &a }, SeqInput { seq: 2, tokens: &b[4..] }],
+            &[SeqInput { seq: 1, tokens: &a, tree: None }, SeqInput { seq: 2, tokens: &b[4..], tree: None }],
             &mut cache,
             LogitsWanted::Last,
         )
@@ -127,7 +127,7 @@ fn batched_ragged_forward_equals_single_sequence_forward() {
     for (k, tokens) in [(0usize, &a), (1, &b)] {
         let mut c = DenseKvCache::new(m.config.num_hidden_layers);
         let single = m
-            .forward(&[SeqInput { seq: 9, tokens }], &mut c, LogitsWanted::Last)
+            .forward(&[SeqInput { seq: 9, tokens, tree: None }], &mut c, LogitsWanted::Last)
             .expect("single forward")
             .logits_rows()
             .expect("logits")
@@ -154,7 +154,7 @@ fn greedy_continuation_matches_reference_until_first_near_tie() {
         let mut got = Vec::new();
         for _ in 0..checked {
             let logits = m
-                .forward(&[SeqInput { seq: 0, tokens: &next }], &mut cache, LogitsWanted::Last)
+                .forward(&[SeqInput { seq: 0, tokens: &next, tree: None }], &mut cache, LogitsWanted::Last)
                 .expect("forward")
                 .logits_rows()
                 .expect("logits")

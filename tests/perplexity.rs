@@ -33,7 +33,7 @@ fn wiki_perplexity_matches_golden_within_half_a_percent() {
         let window = &ids[w * seqlen..(w + 1) * seqlen];
         let mut cache = DenseKvCache::new(model.config.num_hidden_layers);
         let rows = model
-            .forward(&[SeqInput { seq: 0, tokens: window }], &mut cache, LogitsWanted::All)
+            .forward(&[SeqInput { seq: 0, tokens: window, tree: None }], &mut cache, LogitsWanted::All)
             .expect("forward")
             .logits_rows()
             .expect("logits");

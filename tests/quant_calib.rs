@@ -85,7 +85,7 @@ fn evaluate(model: &Llama, texts: &[Vec<u32>], base: Option<&[Vec<Vec<f32>>]>) -
         for w in 0..4 {
             let win = &ids[w * seqlen..(w + 1) * seqlen];
             let mut cache = DenseKvCache::new(model.num_layers());
-            let rows = model.forward(&[SeqInput { seq: 0, tokens: win }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap();
+            let rows = model.forward(&[SeqInput { seq: 0, tokens: win, tree: None }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap();
             for (r, row) in rows.iter().enumerate().take(seqlen - 1) {
                 let lp = log_softmax(row);
                 nll -= lp[win[r + 1] as usize] as f64;

@@ -49,7 +49,7 @@ fn ppl(model: &Llama) -> f64 {
     for w in 0..4 {
         let window = &ids[w * 256..(w + 1) * 256];
         let mut cache = DenseKvCache::new(model.config.num_hidden_layers);
-        let rows = model.forward(&[SeqInput { seq: 0, tokens: window }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap();
+        let rows = model.forward(&[SeqInput { seq: 0, tokens: window, tree: None }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap();
         for (row, &t) in rows.iter().zip(&window[1..]) {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
             let lse = row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;

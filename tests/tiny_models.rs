@@ -38,7 +38,7 @@ fn check(name: &str) -> Checkpoint {
 
     let mut cache = DenseKvCache::new(model.config.num_hidden_layers);
     let rows = model
-        .forward(&[SeqInput { seq: 0, tokens: &ids }], &mut cache, LogitsWanted::All)
+        .forward(&[SeqInput { seq: 0, tokens: &ids, tree: None }], &mut cache, LogitsWanted::All)
         .expect("forward")
         .logits_rows()
         .expect("logits");
@@ -55,7 +55,7 @@ fn check(name: &str) -> Checkpoint {
     let mut cache = DenseKvCache::new(model.config.num_hidden_layers);
     for (t, tok) in ids.iter().enumerate() {
         let row = model
-            .forward(&[SeqInput { seq: 3, tokens: &[*tok] }], &mut cache, LogitsWanted::Last)
+            .forward(&[SeqInput { seq: 3, tokens: &[*tok], tree: None }], &mut cache, LogitsWanted::Last)
             .expect("step")
             .logits_rows()
             .expect("logits")

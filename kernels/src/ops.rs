@@ -128,6 +128,62 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
 /// - `k`, `v`: `[past + tokens, kv_heads, head_dim]`
 /// - output: `[tokens, heads * head_dim]`
 pub fn causal_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize) -> Tensor<2> {
+    let [t, _, _] = q.dims();
+    let [s, _, _] = k.dims();
+    let mask = (t > 1 || s != past + t).then(|| {
+        let mut m = Vec::with_capacity(t * s);
+        for row in 0..t {
+            m.extend((0..s).map(|col| col > past + row));
+        }
+        m
+    });
+    masked_gqa_attention(q, k, v, mask)
+}
+
+/// Tree attention (Medusa, Cai et al. 2024, §2.1.2 "tree attention"; SpecInfer, Miao et al.
+/// 2024): scaled-dot-product attention with grouped-query heads for one sequence whose first
+/// `past` positions are cached, followed by a token *tree* of `tokens` nodes given by their
+/// parents: node `t` attends to every cached position `0 .. past` and to the nodes on its path
+/// from the root (its ancestors and itself), never to its siblings or their subtrees.
+/// `parents[t]` is the index of node `t`'s parent among this call's nodes (`< t`), or `None`
+/// for a node that follows the cached prefix directly. A chain (`parents[t] = Some(t - 1)`,
+/// `parents[0] = None`) is [`causal_gqa_attention`]. The caller places node `t` at position
+/// `past + depth(t)` (RoPE), depth 0 for a root.
+///
+/// # Shapes
+/// - `q`: `[tokens, heads, head_dim]`
+/// - `k`, `v`: `[past + tokens, kv_heads, head_dim]`
+/// - `parents`: `[tokens]`
+/// - output: `[tokens, heads * head_dim]`
+///
+/// # Panics
+/// If `parents.len() != tokens` or a parent does not precede its child (callers validate:
+/// `deco_model::Llama::forward` returns an error for such a tree).
+pub fn tree_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize, parents: &[Option<usize>]) -> Tensor<2> {
+    let [t, _, _] = q.dims();
+    let [s, _, _] = k.dims();
+    assert!(parents.len() == t && s == past + t, "tree of {} parents for {t} queries over {s} keys after {past}", parents.len());
+    // Row `r` of `visible` marks the nodes on the path to node `r` (ancestors and itself).
+    let mut visible = vec![false; t * t];
+    for r in 0..t {
+        visible[r * t + r] = true;
+        if let Some(p) = parents[r] {
+            assert!(p < r, "node {r} has parent {p}, which does not precede it");
+            let (before, row) = visible.split_at_mut(r * t);
+            row[..r].copy_from_slice(&before[p * t..p * t + r]);
+        }
+    }
+    let mut mask = Vec::with_capacity(t * s);
+    for r in 0..t {
+        mask.extend(std::iter::repeat_n(false, past));
+        mask.extend(visible[r * t..(r + 1) * t].iter().map(|&v| !v));
+    }
+    masked_gqa_attention(q, k, v, Some(mask))
+}
+
+/// Grouped-query attention with an optional mask `[tokens, keys]` (row-major, `true` = hidden):
+/// the body of [`causal_gqa_attention`] and [`tree_gqa_attention`].
+fn masked_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, mask: Option<Vec<bool>>) -> Tensor<2> {
     let [t, heads, d] = q.dims();
     let [s, kv_heads, _] = k.dims();
     let g = heads / kv_heads;
@@ -137,17 +193,13 @@ pub fn causal_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usiz
     let v = v.swap_dims(0, 1); // [kvh, s, d]
     let scale = 1.0 / (d as f64).sqrt();
     let mut scores = q.matmul(k.swap_dims(1, 2)).mul_scalar(scale); // [kvh, g*t, s]
-    if t > 1 || s != past + t {
-        let mut mask = Vec::with_capacity(g * t * s);
+    if let Some(m) = mask {
+        let mut full = Vec::with_capacity(g * t * s);
         for _ in 0..g {
-            for row in 0..t {
-                for col in 0..s {
-                    mask.push(col > past + row);
-                }
-            }
+            full.extend_from_slice(&m);
         }
         let mask: Tensor<3, Bool> =
-            Tensor::<3, Bool>::from_data(TensorData::new(mask, [1, g * t, s]), &scores.device()).expand([kv_heads, g * t, s]);
+            Tensor::<3, Bool>::from_data(TensorData::new(full, [1, g * t, s]), &scores.device()).expand([kv_heads, g * t, s]);
         scores = scores.mask_fill(mask, f32::NEG_INFINITY);
     }
     let probs = softmax(scores, 2);

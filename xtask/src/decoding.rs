@@ -47,14 +47,14 @@ pub struct Options {
 
 /// The deco binary: `--deco-bin`, else a fresh release build of deco-cli.
 /// A prompt of the benchmark (always wrapped in the model's chat template).
-struct Prompt {
-    name: &'static str,
-    text: &'static str,
+pub(crate) struct Prompt {
+    pub(crate) name: &'static str,
+    pub(crate) text: &'static str,
 }
 
 const MOVING_AVERAGE: &str = "def moving_average(xs, k):\n    out = []\n    s = 0\n    for i, x in enumerate(xs):\n        s += x\n        if i >= k:\n            s -= xs[i - k]\n        if i >= k - 1:\n            out.append(s / k)\n    return out\n";
 
-fn smol_prompts() -> Vec<Prompt> {
+pub(crate) fn smol_prompts() -> Vec<Prompt> {
     vec![
         Prompt { name: "chat-days", text: "List the days of the week and the months of the year." },
         Prompt { name: "chat-sky", text: "Explain in a short paragraph why the sky is blue." },
@@ -63,32 +63,32 @@ fn smol_prompts() -> Vec<Prompt> {
     ]
 }
 
-fn qwen_prompts() -> Vec<Prompt> {
+pub(crate) fn qwen_prompts() -> Vec<Prompt> {
     vec![
         Prompt { name: "code-comment", text: leak(format!("Rewrite this Python function with a docstring and a comment on every line:\n\n```python\n{MOVING_AVERAGE}```")) },
         Prompt { name: "code-rename", text: leak(format!("Rename the variable `s` to `window_sum` and `out` to `averages` in this function. Reply with the whole function only.\n\n```python\n{MOVING_AVERAGE}```")) },
     ]
 }
 
-fn leak(s: String) -> &'static str {
+pub(crate) fn leak(s: String) -> &'static str {
     Box::leak(s.into_boxed_str())
 }
 
 /// Result of one `deco generate` run.
 #[derive(Debug, Clone)]
-struct Gen {
-    text: String,
-    tokens: f64,
+pub(crate) struct Gen {
+    pub(crate) text: String,
+    pub(crate) tokens: f64,
     /// Generation time without model loading: prefill + decode.
-    gen_s: f64,
+    pub(crate) gen_s: f64,
     /// `[strategy]` fields.
-    fields: BTreeMap<String, String>,
+    pub(crate) fields: BTreeMap<String, String>,
     /// Wall time of the whole process (model loading included).
-    wall_s: f64,
+    pub(crate) wall_s: f64,
 }
 
 impl Gen {
-    fn from_json(v: &Value) -> Result<Self> {
+    pub(crate) fn from_json(v: &Value) -> Result<Self> {
         let fields = v["fields"]
             .as_object()
             .map(|m| m.iter().map(|(k, x)| (k.clone(), x.as_str().unwrap_or_default().to_string())).collect())
@@ -102,20 +102,20 @@ impl Gen {
         })
     }
 
-    fn field(&self, k: &str) -> f64 {
+    pub(crate) fn field(&self, k: &str) -> f64 {
         self.fields.get(k).and_then(|v| v.parse().ok()).unwrap_or(f64::NAN)
     }
 
-    fn tok_s(&self) -> f64 {
+    pub(crate) fn tok_s(&self) -> f64 {
         self.tokens / self.gen_s
     }
 }
 
-struct Runner {
-    bin: PathBuf,
-    results: PathBuf,
-    threads: usize,
-    only: Vec<String>,
+pub(crate) struct Runner {
+    pub(crate) bin: PathBuf,
+    pub(crate) results: PathBuf,
+    pub(crate) threads: usize,
+    pub(crate) only: Vec<String>,
 }
 
 impl Runner {
@@ -125,7 +125,7 @@ impl Runner {
 
     /// Runs `deco <args>` unless `<results>/<label>.json` holds a result of the same arguments
     /// (or the label is filtered out by `--only`: then the cached result or `None`).
-    fn cached(&self, label: &str, args: &[String], parse: impl Fn(&str, &str, f64) -> Result<Value>) -> Result<Option<Value>> {
+    pub(crate) fn cached(&self, label: &str, args: &[String], parse: impl Fn(&str, &str, f64) -> Result<Value>) -> Result<Option<Value>> {
         let file = self.results.join(format!("{label}.json"));
         let key = json!({"args": args, "threads": self.threads});
         if let Ok(text) = fs::read_to_string(&file)
@@ -156,7 +156,7 @@ impl Runner {
     }
 
     /// `deco generate --chat --temperature 0` with extra arguments.
-    fn generate(&self, label: &str, model: &Path, prompt: &str, max_new: usize, extra: &[String]) -> Result<Option<Gen>> {
+    pub(crate) fn generate(&self, label: &str, model: &Path, prompt: &str, max_new: usize, extra: &[String]) -> Result<Option<Gen>> {
         let mut args: Vec<String> = vec!["generate".into(), "--model".into(), model.display().to_string(), "--chat".into(), "--prompt".into(), prompt.into()];
         args.extend(["--max-new-tokens".into(), max_new.to_string(), "--temperature".into(), "0".into()]);
         args.extend(extra.iter().cloned());
@@ -182,7 +182,7 @@ impl Runner {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return f64::NAN;
@@ -220,7 +220,7 @@ struct SpecRow {
     repeats: usize,
 }
 
-fn s(x: impl ToString) -> String {
+pub(crate) fn s(x: impl ToString) -> String {
     x.to_string()
 }
 

@@ -26,6 +26,7 @@ mod fetch;
 mod fuzz;
 mod interop;
 mod manifest;
+mod medusa;
 mod python;
 mod quant;
 mod serve;
@@ -164,6 +165,40 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Medusa heads on SmolLM2-135M and Qwen2.5-Coder-0.5B: heads trained on self-distilled GSM
+    /// prompts, per-head held-out accuracy, speed of every candidate tree against greedy at
+    /// batch 1; updates docs/decoding.md.
+    Medusa {
+        #[command(flatten)]
+        cache: CacheArgs,
+        /// Interleaved repeats of the speed runs (median).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Generated tokens per run.
+        #[arg(long, default_value_t = 96)]
+        max_new_tokens: usize,
+        /// Training steps of the heads.
+        #[arg(long, default_value_t = 600)]
+        train_steps: usize,
+        /// Training prompts (self-distilled responses).
+        #[arg(long, default_value_t = 256)]
+        train_examples: usize,
+        /// Held-out prompts of the accuracy report.
+        #[arg(long, default_value_t = 48)]
+        eval_examples: usize,
+        /// CPU threads of every deco run.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Skip Qwen2.5-Coder-0.5B.
+        #[arg(long)]
+        skip_qwen: bool,
+        /// Only run speed measurements whose label contains one of these (comma-separated).
+        #[arg(long)]
+        only: Option<String>,
+        /// Use this deco binary instead of building deco-cli (release).
+        #[arg(long)]
+        deco_bin: Option<PathBuf>,
+    },
     /// Decoding strategies: speculative speedup / acceptance (SmolLM2 self-speculative and prompt
     /// lookup, Qwen2.5-Coder 1.5B + 0.5B draft), beam cost vs num_beams, early exit; updates
     /// docs/decoding.md.
@@ -530,6 +565,21 @@ fn real_main() -> Result<()> {
             qwen_repeats,
             beam_max_new_tokens,
             ee_windows,
+            threads,
+            skip_qwen,
+            only,
+            deco_bin,
+        }),
+        Cmd::Bench {
+            which: BenchCmd::Medusa { cache, repeats, max_new_tokens, train_steps, train_examples, eval_examples, threads, skip_qwen, only, deco_bin },
+        } => medusa::run(&medusa::Options {
+            cache: util::cache_dir(cache.cache_dir.as_deref()),
+            no_mirror: cache.no_mirror,
+            repeats,
+            max_new_tokens,
+            train_steps,
+            train_examples,
+            eval_examples,
             threads,
             skip_qwen,
             only,

@@ -162,7 +162,7 @@ pub fn collect_tokens(model: &Llama, examples: &[ChatExample], progress: &mut dy
             continue;
         }
         let mut cache = DenseKvCache::new(model.num_layers());
-        let out = model.forward(&[SeqInput { seq: 0, tokens: &ids }], &mut cache, LogitsWanted::All)?;
+        let out = model.forward(&[SeqInput { seq: 0, tokens: &ids, tree: None }], &mut cache, LogitsWanted::All)?;
         let first = ex.prompt.len() - 1; // position predicting answer[0]
         let rows = ex.answer.len();
         let hid = to_host(out.hidden.slice([first..first + rows, 0..h]))?;

@@ -661,7 +661,7 @@ impl HostHeads {
 
 /// Writes `files` (name, bytes) as the directory `dir`, crash-safely
 /// ([`deco_formats::atomic::write_dir`]: a temporary sibling replaces `dir` in one step).
-fn write_files(dir: &Path, files: &[(&str, &[u8])]) -> Result<()> {
+pub(crate) fn write_files(dir: &Path, files: &[(&str, &[u8])]) -> Result<()> {
     deco_formats::atomic::write_dir(
         dir,
         |tmp| {
@@ -676,6 +676,6 @@ fn write_files(dir: &Path, files: &[(&str, &[u8])]) -> Result<()> {
     Ok(())
 }
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
+pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }

@@ -8,6 +8,8 @@
 //! - [`loss`]: temperature loss, differentiable soft top-p loss, easy-token masking.
 //! - [`data`]: GSM-style chat data with the loss on answer tokens; the base model's hidden states.
 //! - `train` (feature `train`, default): training on a frozen base with burn autodiff and Adam.
+//! - [`medusa`]: Medusa-1 heads (Cai et al. 2024) on the frozen base: storage, inference
+//!   (`DraftHeads` of `deco_generate::medusa`), training on self-distilled data.
 //! - [`meta`]: the meta-instruction stage (ranking loss on instruction pairs) and its measurement.
 //! - [`decode`]: decoding with the heads (per-token `T × temperature`, `clamp(P × top_p)`).
 //! - [`eval`]: GSM answer extraction and the unbiased pass@k estimator.
@@ -23,6 +25,7 @@ pub mod error;
 pub mod eval;
 pub mod heads;
 pub mod loss;
+pub mod medusa;
 pub mod meta;
 #[cfg(feature = "train")]
 pub mod plot;

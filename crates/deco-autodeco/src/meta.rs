@@ -113,7 +113,7 @@ fn answer_hidden(model: &Llama, tok: &Tokenizer, template: &ChatTemplate, questi
         return Err(Error::Data(format!("{} tokens exceed the model's context", ids.len())));
     }
     let mut cache = DenseKvCache::new(model.num_layers());
-    let out = model.forward_rows(&[SeqInput { seq: 0, tokens: &ids }], &mut cache, &[rows], model.num_layers())?;
+    let out = model.forward_rows(&[SeqInput { seq: 0, tokens: &ids, tree: None }], &mut cache, &[rows], model.num_layers())?;
     let hidden = to_host(out.hidden)?;
     Ok((ex.answer[..rows].to_vec(), hidden))
 }

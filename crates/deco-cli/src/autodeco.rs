@@ -252,7 +252,7 @@ fn run_export(a: &ExportArgs) -> Result<()> {
     Ok(())
 }
 
-fn bar(len: u64, msg: &str) -> ProgressBar {
+pub(crate) fn bar(len: u64, msg: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
     pb.set_style(
         ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} {elapsed_precise} eta {eta} {prefix}")

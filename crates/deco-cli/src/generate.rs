@@ -39,6 +39,8 @@ pub enum Strategy {
     Speculative,
     /// Entropy-threshold early exit (`--exit-entropy`).
     EarlyExit,
+    /// Medusa heads (`--medusa DIR`, `--medusa-choices`), Cai et al. 2024.
+    Medusa,
 }
 
 /// Arguments of `deco generate`.
@@ -172,6 +174,22 @@ pub struct GenerateArgs {
     /// top_p) to this CSV file.
     #[arg(long, requires = "autodeco")]
     trace_decoding: Option<PathBuf>,
+    /// Medusa heads directory (`deco medusa train --out`): candidates of the heads verified with
+    /// tree attention, several tokens per forward (implies --strategy medusa). Greedy output is
+    /// identical to --strategy greedy.
+    #[arg(long)]
+    medusa: Option<PathBuf>,
+    /// Medusa candidate tree as the reference's `medusa_choices` JSON (e.g.
+    /// `[[0],[1],[0,0]]`: head 1's top two tokens, then head 2's top token after the first).
+    /// Default: deco_generate::medusa::DEFAULT_CHOICES.
+    #[arg(long, requires = "medusa")]
+    medusa_choices: Option<String>,
+    /// Medusa typical acceptance when sampling: the hard threshold epsilon.
+    #[arg(long, default_value_t = deco_generate::medusa::DEFAULT_POSTERIOR_THRESHOLD)]
+    posterior_threshold: f32,
+    /// Medusa typical acceptance when sampling: the entropy factor delta.
+    #[arg(long, default_value_t = deco_generate::medusa::DEFAULT_POSTERIOR_ALPHA)]
+    posterior_alpha: f32,
     /// With --trace-decoding: also plot T and P per token to this SVG file.
     #[arg(long, requires = "trace_decoding")]
     trace_plot: Option<PathBuf>,
@@ -313,6 +331,30 @@ fn second_model(path: Option<&std::path::Path>, layers: usize, model: &Llama) ->
     Ok(DraftModel { model: m, num_layers })
 }
 
+/// The engine's Medusa setting: heads from `dir` (checked against `model`), the tree of
+/// `choices` (JSON, the reference's `medusa_choices`; default
+/// [`deco_generate::medusa::DEFAULT_CHOICES`] cut to the heads' depth) and typical acceptance.
+pub fn medusa_setting(dir: &std::path::Path, choices: Option<&str>, posterior_threshold: f32, posterior_alpha: f32, model: &Llama) -> Result<deco_serve::MedusaSetting> {
+    use deco_generate::DraftHeads;
+    let heads = deco_autodeco::medusa::MedusaHeads::load(dir, model).with_context(|| format!("loading Medusa heads from {}", dir.display()))?;
+    let k = heads.num_heads();
+    let tree = match choices {
+        Some(json) => {
+            let c: Vec<Vec<usize>> = serde_json::from_str(json).context("--medusa-choices must be a JSON list of paths, e.g. [[0],[1],[0,0]]")?;
+            deco_generate::MedusaTree::new(&c, k)?
+        }
+        None => deco_generate::MedusaTree::new(&deco_generate::medusa::default_choices(k), k)?,
+    };
+    if !(posterior_threshold > 0.0 && posterior_threshold <= 1.0 && posterior_alpha > 0.0 && posterior_alpha.is_finite()) {
+        bail!("--posterior-threshold must be in (0, 1] and --posterior-alpha positive, got {posterior_threshold} and {posterior_alpha}");
+    }
+    Ok(deco_serve::MedusaSetting {
+        heads: std::sync::Arc::new(heads),
+        tree,
+        acceptance: deco_generate::TypicalAcceptance { posterior_threshold, posterior_alpha },
+    })
+}
+
 /// Runs the command.
 pub fn run(args: &GenerateArgs) -> Result<()> {
     let prompt = match (&args.prompt, &args.prompt_file) {
@@ -331,7 +373,16 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     }
     let strategy = args
         .strategy
-        .unwrap_or(if args.temperature > 0.0 || args.autodeco.is_some() { Strategy::Sample } else { Strategy::Greedy });
+        .unwrap_or(if args.medusa.is_some() {
+            Strategy::Medusa
+        } else if args.temperature > 0.0 || args.autodeco.is_some() {
+            Strategy::Sample
+        } else {
+            Strategy::Greedy
+        });
+    if (strategy == Strategy::Medusa) != args.medusa.is_some() {
+        bail!("--strategy medusa and --medusa DIR go together");
+    }
     if args.autodeco.is_some() && !matches!(strategy, Strategy::Greedy | Strategy::Sample) {
         bail!("--autodeco works with --strategy sample or greedy, not {strategy:?}");
     }
@@ -507,6 +558,24 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 " drafted={} accepted={} acceptance_rate={rate:.3} target_forwards={} draft_forwards={}",
                 run.drafted, run.accepted, run.steps, run.draft_steps
             );
+            (run.choices[0].tokens, run.first_text_at)
+        }
+        Strategy::Medusa => {
+            if args.n != 1 {
+                bail!("Medusa decoding generates one sequence; drop -n");
+            }
+            if args.logprobs.is_some() {
+                bail!("--logprobs is not supported with Medusa decoding");
+            }
+            let dir = args.medusa.as_ref().context("--medusa")?;
+            let setting = medusa_setting(dir, args.medusa_choices.as_deref(), args.posterior_threshold, args.posterior_alpha, &model)?;
+            let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::Medusa);
+            let options = EngineOptions { medusa: Some(setting), ..EngineOptions::default() };
+            let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, false))?;
+            print_choices(&run.choices, "sample")?;
+            let rounds = run.steps.saturating_sub(1);
+            let mean = if rounds == 0 { 0.0 } else { (run.accepted + rounds) as f64 / rounds as f64 };
+            extra = format!(" tree_forwards={rounds} accepted={} mean_accepted_length={mean:.3}", run.accepted);
             (run.choices[0].tokens, run.first_text_at)
         }
         Strategy::EarlyExit => {

@@ -129,7 +129,7 @@ pub fn run(args: &KldArgs) -> Result<()> {
         let window = &ids[w * args.seqlen..(w + 1) * args.seqlen];
         let logits = |m: &Llama| -> Result<Vec<Vec<f32>>> {
             let mut cache = DenseKvCache::new(m.config.num_hidden_layers);
-            Ok(m.forward(&[SeqInput { seq: 0, tokens: window }], &mut cache, LogitsWanted::All)?.logits_rows()?)
+            Ok(m.forward(&[SeqInput { seq: 0, tokens: window, tree: None }], &mut cache, LogitsWanted::All)?.logits_rows()?)
         };
         let lm = match &act {
             Some((aq, cfg, layers, embed, norm, head)) => {

@@ -14,6 +14,7 @@ mod quantize;
 mod kld;
 mod layer_error;
 mod lora;
+mod medusa;
 mod runtime;
 mod serve;
 
@@ -62,6 +63,10 @@ enum Command {
     /// them with `--lora DIR` on generate, serve, eval ppl).
     #[command(subcommand)]
     Lora(lora::LoraCommand),
+    /// Medusa-1 heads (Cai et al. 2024): train them on a frozen base with self-distilled
+    /// data, measure their per-head accuracy.
+    #[command(subcommand)]
+    Medusa(medusa::MedusaCommand),
     /// Quantize a model (RTN, GPTQ, NF4) and write it as GPTQ / AWQ / compressed-tensors / GGUF /
     /// fake-quantized f32.
     Quantize(quantize::QuantizeArgs),
@@ -135,6 +140,7 @@ fn main() -> ExitCode {
         Command::Eval(EvalCommand::LayerError(args)) => layer_error::run(&args),
         Command::Quantize(args) => quantize::run(&args),
         Command::Lora(cmd) => lora::run(&cmd),
+        Command::Medusa(cmd) => medusa::run(&cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -57,7 +57,7 @@ pub fn run(args: &PplArgs) -> Result<()> {
     for w in 0..windows {
         let window = &ids[w * args.seqlen..(w + 1) * args.seqlen];
         let mut cache = DenseKvCache::new(model.config.num_hidden_layers);
-        let rows = model.forward(&[SeqInput { seq: 0, tokens: window }], &mut cache, LogitsWanted::All)?.logits_rows()?;
+        let rows = model.forward(&[SeqInput { seq: 0, tokens: window, tree: None }], &mut cache, LogitsWanted::All)?.logits_rows()?;
         let mut wn = 0.0;
         for (row, &target) in rows.iter().zip(&window[1..]) {
             wn += nll(row, target);

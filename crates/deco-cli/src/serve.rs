@@ -72,6 +72,21 @@ pub struct ServeArgs {
     /// Contrastive decoding with the served model's first K layers as the amateur.
     #[arg(long)]
     amateur_layers: Option<usize>,
+    /// Medusa heads directory (`deco medusa train --out`): every request with n = 1, no
+    /// structured output, no logprobs and no other strategy is decoded with the heads'
+    /// candidates verified by tree attention (greedy output unchanged; sampling uses the
+    /// typical acceptance). Exclusive with speculative decoding.
+    #[arg(long, conflicts_with_all = ["speculative_model", "speculative_draft_layers"])]
+    medusa: Option<std::path::PathBuf>,
+    /// Medusa candidate tree (the reference's `medusa_choices` JSON).
+    #[arg(long, requires = "medusa")]
+    medusa_choices: Option<String>,
+    /// Medusa typical acceptance: the hard threshold epsilon.
+    #[arg(long, default_value_t = deco_generate::medusa::DEFAULT_POSTERIOR_THRESHOLD)]
+    posterior_threshold: f32,
+    /// Medusa typical acceptance: the entropy factor delta.
+    #[arg(long, default_value_t = deco_generate::medusa::DEFAULT_POSTERIOR_ALPHA)]
+    posterior_alpha: f32,
 }
 
 /// Binds the listener, prints `listening on http://ADDR` and answers 503 (`/health` too) while
@@ -143,7 +158,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
     let schedule: DraftSchedule = args.num_assistant_tokens_schedule.parse()?;
     let speculation = source.map(|source| Speculation { num_speculative_tokens: args.num_speculative_tokens, source, schedule });
-    let options = EngineOptions { autodeco: heads, draft, speculation };
+    let medusa = match &args.medusa {
+        Some(dir) => Some(crate::generate::medusa_setting(dir, args.medusa_choices.as_deref(), args.posterior_threshold, args.posterior_alpha, &model)?),
+        None => None,
+    };
+    let options = EngineOptions { autodeco: heads, draft, speculation, medusa };
     let (engine, join) = deco_serve::spawn_engine_opts(model, tokenizer.clone(), config, options)?;
     gate.set_ready(Arc::new(ServerState::new(engine, tokenizer, template, model_name.clone())))?;
     eprintln!(

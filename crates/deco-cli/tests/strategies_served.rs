@@ -174,3 +174,37 @@ fn served_contrastive_decoding_and_autodeco_equal_deco_generate() {
     }
     serve_and_check(dir.path(), &cases, &["--autodeco", heads], &["--no-refusals"]);
 }
+
+/// Medusa heads as a server setting (`deco serve --medusa DIR`, heads trained here on a few
+/// self-distilled prompts): greedy and seeded sampled requests give exactly `deco generate
+/// --medusa DIR`'s text, and at T = 0 that text is plain greedy decoding's.
+#[test]
+fn served_medusa_equals_deco_generate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "Count from one to twenty.\nName the planets of the solar system.\nList the days of the week.\nWhat are the primary colors?\n").expect("write prompts");
+    let heads = dir.path().join("heads");
+    let out = Command::new(env!("CARGO_BIN_EXE_deco"))
+        .args(["medusa", "train", "--model"])
+        .arg(deco_tests::smollm2_gguf())
+        .arg("--data")
+        .arg(&prompts)
+        .arg("--out")
+        .arg(&heads)
+        .args(["--steps", "20", "--max-new-tokens", "32", "--num-heads", "3", "--heldout-fraction", "0.25", "--eval-every", "0"])
+        .output()
+        .expect("run deco medusa train");
+    assert!(out.status.success(), "deco medusa train failed: {}", String::from_utf8_lossy(&out.stderr));
+    let heads_arg = heads.display().to_string();
+    let mut cases = Vec::new();
+    for (prompt, temperature, seed) in [("One, two, three, four, five, six,", 0.0f32, 0u64), ("The capital of France is", 0.8, 7)] {
+        let (t, s) = (temperature.to_string(), seed.to_string());
+        let text = generate_text(&["--prompt", prompt, "--medusa", &heads_arg, "--max-new-tokens", "24", "--temperature", &t, "--seed", &s]);
+        if temperature == 0.0 {
+            let plain = generate_text(&["--prompt", prompt, "--max-new-tokens", "24"]);
+            assert_eq!(text, plain, "Medusa differs from greedy");
+        }
+        cases.push(serde_json::json!({"prompt": prompt, "max_tokens": 24, "n": 1, "extra_body": {}, "texts": [text], "temperature": temperature, "seed": seed}));
+    }
+    serve_and_check(dir.path(), &cases, &["--medusa", &heads_arg], &["--expect-speculation", "--no-refusals"]);
+}

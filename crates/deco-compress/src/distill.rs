@@ -261,7 +261,7 @@ impl Teacher for Llama {
         self.config.vocab_size
     }
     fn logits(&self, ids: &[Vec<u32>]) -> Result<Vec<f32>> {
-        let inputs: Vec<SeqInput<'_>> = ids.iter().enumerate().map(|(i, t)| SeqInput { seq: i as u64, tokens: t }).collect();
+        let inputs: Vec<SeqInput<'_>> = ids.iter().enumerate().map(|(i, t)| SeqInput { seq: i as u64, tokens: t, tree: None }).collect();
         let mut cache = DenseKvCache::new(self.num_layers());
         let out = self.forward(&inputs, &mut cache, LogitsWanted::All)?;
         Ok(deco_model::host::to_host(out.logits)?)
@@ -422,7 +422,7 @@ pub fn sample_continuations(model: &Llama, prompts: &[Vec<u32>], new: usize, rng
     let vocab = model.config.vocab_size;
     let mut pending: Vec<Vec<u32>> = prompts.to_vec();
     for _ in 0..new {
-        let inputs: Vec<SeqInput<'_>> = pending.iter().enumerate().map(|(i, t)| SeqInput { seq: i as u64, tokens: t }).collect();
+        let inputs: Vec<SeqInput<'_>> = pending.iter().enumerate().map(|(i, t)| SeqInput { seq: i as u64, tokens: t, tree: None }).collect();
         let out = model.forward(&inputs, &mut cache, LogitsWanted::Last)?;
         let rows = deco_model::host::to_host(out.logits)?;
         for (i, row) in rows.chunks_exact(vocab).enumerate() {

@@ -90,7 +90,7 @@ fn merged_reference(ck: &Checkpoint, ad: &HostAdapters) -> HashMap<String, (Vec<
 }
 
 fn llama_logits(m: &Llama, seqs: &[Vec<u32>]) -> Vec<f32> {
-    let inputs: Vec<SeqInput<'_>> = seqs.iter().enumerate().map(|(i, t)| SeqInput { seq: i as u64, tokens: t }).collect();
+    let inputs: Vec<SeqInput<'_>> = seqs.iter().enumerate().map(|(i, t)| SeqInput { seq: i as u64, tokens: t, tree: None }).collect();
     let mut cache = DenseKvCache::new(m.num_layers());
     host(m.forward(&inputs, &mut cache, LogitsWanted::All).unwrap().logits)
 }

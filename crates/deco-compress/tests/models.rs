@@ -34,7 +34,7 @@ fn device() -> Device {
 
 fn logits(model: &Llama, tokens: &[u32]) -> Vec<f32> {
     let mut cache = DenseKvCache::new(model.num_layers());
-    let rows = model.forward(&[SeqInput { seq: 0, tokens }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap();
+    let rows = model.forward(&[SeqInput { seq: 0, tokens, tree: None }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap();
     assert_eq!(rows.len(), tokens.len());
     for r in &rows {
         assert_eq!(r.len(), model.config.vocab_size);

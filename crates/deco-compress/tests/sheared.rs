@@ -94,7 +94,7 @@ fn all_ones_masks_give_the_plain_forward() {
     };
     let llama = Llama::load_from(cfg, &zsrc, &dev, None).unwrap();
     let mut cache = DenseKvCache::new(l);
-    let want = llama.forward(&[SeqInput { seq: 0, tokens: &ids[0] }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap().concat();
+    let want = llama.forward(&[SeqInput { seq: 0, tokens: &ids[0], tree: None }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap().concat();
     let d = c.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
     assert!(d < 1e-5, "{d}");
     // Wrong mask sizes are refused.
@@ -151,7 +151,7 @@ fn short_shear_run_reaches_the_target_and_exports() {
     let tensors = res.tensors(cfg, &target).unwrap();
     let llama = Llama::load_from(&pcfg, &|n| tensors.get(n).cloned().ok_or_else(|| deco_model::Error::InvalidInput(n.into())), &Device::flex(), None).unwrap();
     let mut cache = DenseKvCache::new(llama.num_layers());
-    let rows = llama.forward(&[SeqInput { seq: 0, tokens: &[1, 2, 3, 4] }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap();
+    let rows = llama.forward(&[SeqInput { seq: 0, tokens: &[1, 2, 3, 4], tree: None }], &mut cache, LogitsWanted::All).unwrap().logits_rows().unwrap();
     assert!(rows.iter().flatten().all(|x| x.is_finite()));
     // The trained model is on the inner device.
     assert_eq!(res.model.embed.val().device(), Device::flex());

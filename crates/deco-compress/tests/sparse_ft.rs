@@ -109,7 +109,7 @@ fn fixed_mask_keeps_the_one_shot_pattern_exactly_and_recovers() {
     let llama = deco_model::Llama::load_from(&cfg, &lookup(&out.tensors), &Device::flex(), None).unwrap();
     let ids = tokens[10..30].to_vec();
     let mut cache = deco_model::DenseKvCache::new(llama.num_layers());
-    let inf = llama.forward(&[deco_model::SeqInput { seq: 0, tokens: &ids }], &mut cache, deco_model::LogitsWanted::All).unwrap();
+    let inf = llama.forward(&[deco_model::SeqInput { seq: 0, tokens: &ids, tree: None }], &mut cache, deco_model::LogitsWanted::All).unwrap();
     let inf = inf.logits.try_into_vec_as::<f32>().unwrap();
     let st = StudentModel::from_source(&cfg, &lookup(&out.tensors), &Device::flex()).unwrap();
     let st = st.forward(&cfg, &[ids], false).unwrap().try_into_vec_as::<f32>().unwrap();

@@ -22,6 +22,7 @@ pub mod beam;
 pub mod contrastive;
 pub mod error;
 pub mod lm;
+pub mod medusa;
 pub mod sample;
 pub mod speculative;
 pub mod step;
@@ -29,6 +30,7 @@ pub mod step;
 pub use beam::{BeamHypothesis, BeamSearch, BeamSearchParams, EarlyStopping};
 pub use contrastive::{ContrastiveDecoding, ContrastiveDecodingParams, ContrastiveSearch, contrastive_scores, degeneration_penalty};
 pub use error::{GenerateError, Result};
+pub use medusa::{DraftHeads, Medusa, MedusaStats, MedusaTree, TypicalAcceptance};
 pub use lm::{CausalLm, FnLm, LlamaSession, PrefixFn, SeqId, StepRows};
 pub use sample::DEFAULT_MAX_NEW_TOKENS;
 pub use speculative::{

@@ -114,7 +114,7 @@ impl CausalLm for LlamaSession<'_> {
     }
 
     fn forward(&mut self, inputs: &[(SeqId, &[u32])], wanted: LogitsWanted, hidden: bool) -> Result<StepRows> {
-        let seqs: Vec<SeqInput<'_>> = inputs.iter().map(|&(seq, tokens)| SeqInput { seq, tokens }).collect();
+        let seqs: Vec<SeqInput<'_>> = inputs.iter().map(|&(seq, tokens)| SeqInput { seq, tokens, tree: None }).collect();
         let out = self.model.forward_partial(&seqs, &mut self.cache, wanted, self.num_layers)?;
         let logits = deco_model::host::to_host_rows(out.logits)?;
         let hidden = if hidden { deco_model::host::to_host_rows(out.hidden)? } else { Vec::new() };

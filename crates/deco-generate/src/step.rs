@@ -54,6 +54,29 @@ pub enum Op {
         /// Also return the final hidden states of those positions.
         hidden: bool,
     },
+    /// Appends a token tree to target sequence `seq`, every token of which must be computed,
+    /// and computes it in one forward with tree attention (Medusa's candidate tree, Cai et al.
+    /// 2024 §2.1.2; `deco_model::SeqInput::tree`): `parents[i]` is node `i`'s parent among
+    /// `tokens` (`< i`) or `None` for a node that follows the sequence. Every node's row comes
+    /// back, with its final hidden state, in node order. The next step must keep one path of
+    /// it ([`Op::KeepTreePath`]) before feeding the sequence again.
+    FeedTree {
+        /// The sequence.
+        seq: Local,
+        /// The nodes' tokens.
+        tokens: Vec<u32>,
+        /// Each node's parent.
+        parents: Vec<Option<usize>>,
+    },
+    /// Keeps the nodes `path` (indices into the last [`Op::FeedTree`] of `seq`, a root-to-node
+    /// path in increasing order) as the sequence's next tokens, with their keys and values, and
+    /// drops the rest of the tree.
+    KeepTreePath {
+        /// The sequence.
+        seq: Local,
+        /// Kept nodes.
+        path: Vec<usize>,
+    },
     /// Keeps the first `len` tokens of target sequence `seq` (prompt included) and drops the
     /// rest from its token list and its cache (rejected speculative tokens).
     Truncate {
@@ -145,7 +168,7 @@ pub struct Step {
 impl Step {
     /// Whether the strategy fed nothing: the request is complete once the ops are applied.
     pub fn is_final(&self) -> bool {
-        !self.ops.iter().any(|o| matches!(o, Op::Feed { .. } | Op::DraftFeed { .. }))
+        !self.ops.iter().any(|o| matches!(o, Op::Feed { .. } | Op::FeedTree { .. } | Op::DraftFeed { .. }))
     }
 }
 

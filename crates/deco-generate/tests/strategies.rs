@@ -75,6 +75,7 @@ fn drive(m: &mut dyn StepMachine, target: &mut FnLm, mut draft: Option<&mut FnLm
     let hidden = if want_hidden { first.hidden[from..].to_vec() } else { Vec::new() };
     let mut rows = vec![SeqRows { seq: 0, role: Role::Target, logits: first.logits[from..].to_vec(), hidden }];
     let (mut live, mut draft_live) = (BTreeSet::from([0u32]), BTreeSet::new());
+    let mut pending_tree: Option<(u32, Vec<u32>)> = None;
     loop {
         let step = m.advance(rows)?;
         for c in &step.output {
@@ -85,7 +86,7 @@ fn drive(m: &mut dyn StepMachine, target: &mut FnLm, mut draft: Option<&mut FnLm
                 out.pieces.push(c.tokens.clone());
             }
         }
-        let (mut feeds, mut draft_feeds) = (Vec::new(), Vec::new());
+        let (mut feeds, mut draft_feeds, mut tree_feeds) = (Vec::new(), Vec::new(), Vec::new());
         for op in step.ops {
             match op {
                 Op::Fork { from, to } => {
@@ -98,6 +99,20 @@ fn drive(m: &mut dyn StepMachine, target: &mut FnLm, mut draft: Option<&mut FnLm
                 }
                 Op::Truncate { seq, len } => target.truncate(u64::from(seq), len)?,
                 Op::Feed { seq, tokens, rows, hidden } => feeds.push((seq, tokens, rows, hidden)),
+                Op::FeedTree { seq, tokens, parents } => {
+                    assert!(pending_tree.is_none(), "a tree fed before the last one was kept");
+                    assert!(live.contains(&seq), "tree for unknown sequence {seq}");
+                    tree_feeds.push((seq, tokens, parents));
+                }
+                Op::KeepTreePath { seq, path } => {
+                    // The kept nodes' tokens are appended to the sequence (the fake model's
+                    // "cache" is its token list), as the engine's compaction leaves them.
+                    let (tseq, tokens) = pending_tree.take().expect("a path kept without a tree");
+                    assert_eq!(tseq, seq);
+                    assert!(path.first() == Some(&0) && path.windows(2).all(|w| w[0] < w[1]), "path {path:?}");
+                    let kept: Vec<u32> = path.iter().map(|&i| tokens[i]).collect();
+                    target.forward(&[(u64::from(seq), &kept)], LogitsWanted::Last, false)?;
+                }
                 Op::DraftFeed { seq, tokens } => {
                     draft_live.insert(seq);
                     draft_feeds.push((seq, tokens));
@@ -110,6 +125,31 @@ fn drive(m: &mut dyn StepMachine, target: &mut FnLm, mut draft: Option<&mut FnLm
             }
         }
         assert!(feeds.is_empty() || draft_feeds.is_empty(), "target and draft fed in one step");
+        if let Some((seq, tokens, parents)) = tree_feeds.pop() {
+            // Tree attention on a prefix model: node i's row is the model after the sequence
+            // followed by the tokens of the node's path.
+            assert!(feeds.is_empty() && draft_feeds.is_empty() && tree_feeds.is_empty(), "a tree fed with other work");
+            assert!(parents.len() == tokens.len() && parents.iter().enumerate().all(|(i, p)| p.is_none_or(|p| p < i)), "parents {parents:?}");
+            let mut r = SeqRows { seq, role: Role::Target, logits: Vec::new(), hidden: Vec::new() };
+            for i in 0..tokens.len() {
+                let mut path = vec![tokens[i]];
+                let mut j = i;
+                while let Some(p) = parents[j] {
+                    path.push(tokens[p]);
+                    j = p;
+                }
+                path.reverse();
+                target.fork(u64::from(seq), 1_000_000)?;
+                let o = target.forward(&[(1_000_000, &path)], LogitsWanted::Last, true)?;
+                target.remove(1_000_000);
+                r.logits.push(o.logits[0].clone());
+                r.hidden.push(o.hidden[0].clone());
+            }
+            out.target_forwards += 1;
+            pending_tree = Some((seq, tokens));
+            rows = vec![r];
+            continue;
+        }
         if feeds.is_empty() && draft_feeds.is_empty() {
             assert!(live.is_empty() && draft_live.is_empty(), "sequences left: {live:?} / draft {draft_live:?}");
             assert!(out.finish.iter().all(Option::is_some), "a choice never finished");
@@ -446,3 +486,125 @@ fn contrastive_decoding_by_hand() {
     assert!(ContrastiveDecoding::new(&[0], &greedy_params(2), &ContrastiveDecodingParams { alpha: 2.0, ..cd }, &[], 64).is_err());
 }
 
+
+/// Heads of a fake model whose hidden state is its token prefix (as floats): head `k` proposes
+/// the model's own greedy continuation `k + 1` tokens ahead at rank `ranks[k - 1]` (the other
+/// ranks hold other tokens), or only wrong tokens for `None`.
+#[derive(Debug)]
+struct PrefixOracle {
+    vocab: usize,
+    salt: u64,
+    ranks: Vec<Option<usize>>,
+}
+
+impl DraftHeads for PrefixOracle {
+    fn num_heads(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn head_logits(&self, hidden: &[f32]) -> Result<Vec<Vec<f32>>> {
+        let mut ctx: Vec<u32> = hidden.iter().map(|&x| x as u32).collect();
+        // Greedy continuation: the next token (the root), then one per head.
+        let mut cont = Vec::new();
+        for _ in 0..=self.ranks.len() {
+            let t = math::argmax(&hashed_logits(&ctx, self.vocab, self.salt)).expect("argmax") as u32;
+            cont.push(t);
+            ctx.push(t);
+        }
+        Ok(self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(k, rank)| {
+                let target = cont[k + 1] as usize;
+                let mut l = vec![0.0f32; self.vocab];
+                let rank = rank.unwrap_or(self.vocab - 1);
+                for r in 0..rank {
+                    l[(target + 1 + r) % self.vocab] = 10.0 - r as f32;
+                }
+                l[target] = if rank < self.vocab - 1 { 10.0 - rank as f32 } else { -10.0 };
+                l
+            })
+            .collect())
+    }
+}
+
+fn prefix_lm(vocab: usize, salt: u64) -> FnLm {
+    FnLm::new(vocab, move |p| hashed_logits(p, vocab, salt)).with_hidden(|p| p.iter().map(|&t| t as f32).collect())
+}
+
+/// Medusa at temperature 0 equals greedy decoding token for token, for heads that are right at
+/// various ranks (several candidates accepted per forward through any tree node) or wrong, any
+/// tree, EOS and the token budget; the accepted length follows the heads.
+#[test]
+fn medusa_greedy_equals_greedy_decoding() {
+    let (vocab, eos) = (11usize, 10u32);
+    let trees: Vec<Vec<Vec<usize>>> = vec![
+        vec![vec![0]],
+        vec![vec![0], vec![0, 0], vec![0, 0, 0]],
+        vec![vec![0], vec![1], vec![0, 0], vec![1, 0], vec![1, 0, 0], vec![1, 1]],
+        deco_generate::medusa::default_choices(3),
+    ];
+    for salt in 0..12u64 {
+        for (ti, tree) in trees.iter().enumerate() {
+            for ranks in [vec![Some(0), Some(0), Some(0)], vec![Some(1), Some(0), Some(1)], vec![None, None, None], vec![Some(0), None, Some(0)]] {
+                let heads = std::sync::Arc::new(PrefixOracle { vocab, salt, ranks: ranks.clone() });
+                let params = greedy_params(9 + salt as usize % 5);
+                let prompt = [3u32, 1, 4, 1, 5];
+                let mut lm = prefix_lm(vocab, salt);
+                let want = greedy_reference(&mut lm, &prompt, &params, &[eos]);
+                let tree = MedusaTree::new(tree, 3).expect("tree");
+                let mut m = Medusa::new(&prompt, &params, heads, tree, TypicalAcceptance::default(), &[eos], usize::MAX).expect("medusa");
+                let d = drive(&mut m, &mut lm, None, &prompt).expect("drive");
+                assert_eq!(d.tokens[0], want, "salt {salt} tree {ti} ranks {ranks:?}");
+                let st = m.stats();
+                assert_eq!(st.rounds + 1, d.target_forwards, "one tree forward per round");
+                if ranks == [Some(0), Some(0), Some(0)] && ti == 1 && want.len() >= 8 && !want[..want.len() - 1].contains(&eos) {
+                    assert!(st.mean_accepted_length() > 3.0, "exact heads on a chain of 3: {}", st.mean_accepted_length());
+                }
+                if ranks[0].is_none() {
+                    assert_eq!(st.accepted, 0, "wrong heads had candidates accepted");
+                }
+            }
+        }
+    }
+}
+
+/// With sampling, the first token and every bonus token come from the request's seeded
+/// sampler: the same seed gives the same tokens; typical acceptance accepts a candidate only
+/// above its threshold (a one-hot target accepts exactly its token).
+#[test]
+fn medusa_sampling_is_seeded_and_typical_acceptance_thresholds() {
+    let vocab = 9usize;
+    let heads = std::sync::Arc::new(PrefixOracle { vocab, salt: 3, ranks: vec![Some(0), Some(1)] });
+    let params = SamplingParams { temperature: Some(0.7), max_new_tokens: Some(16), seed: Some(5), ..Default::default() };
+    let run = || {
+        let mut lm = prefix_lm(vocab, 3);
+        let tree = MedusaTree::new(&deco_generate::medusa::default_choices(2), 2).expect("tree");
+        let mut m = Medusa::new(&[1, 2], &params, heads.clone(), tree, TypicalAcceptance::default(), &[], usize::MAX).expect("medusa");
+        drive(&mut m, &mut lm, None, &[1, 2]).expect("drive").tokens[0].clone()
+    };
+    let a = run();
+    assert_eq!(a.len(), 16);
+    assert_eq!(a, run());
+    let acc = TypicalAcceptance::default();
+    // Uniform over 9: entropy ln 9, threshold min(0.09, 0.3/9) = 0.0333: every token passes.
+    assert!((acc.threshold(&[1.0 / 9.0; 9]) - 0.3 / 9.0).abs() < 1e-6);
+    // One-hot: threshold min(0.09, 0.3) = 0.09.
+    let mut one = vec![0.0; 9];
+    one[4] = 1.0;
+    assert!((acc.threshold(&one) - 0.09).abs() < 1e-6);
+}
+
+#[test]
+fn medusa_trees_are_validated() {
+    assert_eq!(MedusaTree::new(&[vec![0], vec![1], vec![0, 0]], 2).expect("tree").num_nodes(), 4);
+    assert!(MedusaTree::new(&[vec![0, 0]], 2).is_err(), "missing parent path");
+    assert!(MedusaTree::new(&[vec![0], vec![0]], 2).is_err(), "repeated path");
+    assert!(MedusaTree::new(&[vec![]], 2).is_err(), "empty path");
+    assert!(MedusaTree::new(&[vec![0], vec![0, 0], vec![0, 0, 0]], 2).is_err(), "deeper than the heads");
+    // Sorted by depth then path, parents first, whatever the order given.
+    let t = MedusaTree::new(&[vec![1, 0], vec![0, 0], vec![1], vec![0]], 2).expect("tree");
+    assert_eq!(t.choices(), &[vec![0], vec![1], vec![0, 0], vec![1, 0]]);
+    assert_eq!(t.depth(), 2);
+}

@@ -119,7 +119,7 @@ impl Llama {
 
     fn early_exit_step(&self, seq: SeqId, token: u32, cache: &mut dyn KvCache, cfg: &EarlyExitConfig) -> Result<EarlyExitStep> {
         let tokens = [token];
-        let inputs = [SeqInput { seq, tokens: &tokens }];
+        let inputs = [SeqInput { seq, tokens: &tokens, tree: None }];
         let batch = self.prepare(&inputs, &*cache)?;
         let n = self.num_layers();
         let mut x = self.embed_tokens(&batch);
@@ -222,7 +222,7 @@ pub fn score_early_exit(model: &Llama, window: &[u32], cfg: &EarlyExitConfig) ->
     }
     let n = window.len() - 1;
     let mut cache = crate::kv_cache::DenseKvCache::new(model.num_layers());
-    let full = model.forward(&[SeqInput { seq: 0, tokens: &window[..n] }], &mut cache, LogitsWanted::All)?.logits_rows()?;
+    let full = model.forward(&[SeqInput { seq: 0, tokens: &window[..n], tree: None }], &mut cache, LogitsWanted::All)?.logits_rows()?;
     let mut cache = crate::kv_cache::DenseKvCache::new(model.num_layers());
     let mut score = EarlyExitScore { predictions: n, ..Default::default() };
     for (i, full_row) in full.iter().enumerate().take(n) {
@@ -255,11 +255,11 @@ mod tests {
         let prompt = [5u32, 17, 42];
         let mut caches = [DenseKvCache::new(n), DenseKvCache::new(n)];
         for cache in caches.iter_mut() {
-            model.forward(&[SeqInput { seq: 0, tokens: &prompt }], cache, LogitsWanted::Last).expect("prompt");
+            model.forward(&[SeqInput { seq: 0, tokens: &prompt, tree: None }], cache, LogitsWanted::Last).expect("prompt");
         }
         // Token 9 exits after layer 1; the remaining layers get K/V from the exit state.
         let tokens = [9u32];
-        let inputs = [SeqInput { seq: 0, tokens: &tokens }];
+        let inputs = [SeqInput { seq: 0, tokens: &tokens, tree: None }];
         for (i, cache) in caches.iter_mut().enumerate() {
             let batch = model.prepare(&inputs, &*cache).expect("prepare");
             let x = model.layer_forward(0, model.embed_tokens(&batch), &batch, &inputs, cache).expect("layer 0");
@@ -275,7 +275,7 @@ mod tests {
         let next: Vec<Vec<f32>> = caches
             .iter_mut()
             .map(|cache| {
-                let out = model.forward(&[SeqInput { seq: 0, tokens: &[33] }], cache, LogitsWanted::Last).expect("next");
+                let out = model.forward(&[SeqInput { seq: 0, tokens: &[33], tree: None }], cache, LogitsWanted::Last).expect("next");
                 out.logits_rows().expect("logits").remove(0)
             })
             .collect();

@@ -39,6 +39,20 @@ pub trait KvCache: Send {
     /// Frees everything cached for `seq`.
     fn remove(&mut self, seq: SeqId);
 
+    /// Keeps one path of a token tree (Medusa's accepted candidates, see
+    /// [`crate::SeqInput::tree`]): moves cached position `start + rows[i]` to `start + i` for
+    /// every layer and drops positions `start + rows.len() ..`. `rows` is strictly increasing
+    /// (a root-to-node path in node order); `rows[i] >= i`, so no source is overwritten before
+    /// it is read. O(rows · layers · kv_heads · head_dim).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a cache without the operation (the default), an unknown
+    /// sequence, rows out of range or not increasing.
+    fn keep_rows(&mut self, seq: SeqId, start: usize, rows: &[usize]) -> Result<()> {
+        let _ = (seq, start, rows);
+        Err(Error::InvalidInput("this KV cache cannot keep a path of a token tree".into()))
+    }
+
     /// Whether the cache keeps (or can keep) its keys and values in host memory, so that
     /// [`KvCache::append_host`] and [`KvCache::host_view`] work (the model then uses the fused
     /// CPU decode attention `deco_kernels::attention::paged_decode_attention`). Default: `false`.

@@ -26,6 +26,13 @@ pub struct SeqInput<'a> {
     pub seq: SeqId,
     /// New token ids (at least one).
     pub tokens: &'a [u32],
+    /// `None`: the tokens continue the sequence in order (causal). `Some(parents)`: they are the
+    /// nodes of a token tree (Medusa's candidate tree, Cai et al. 2024 §2.1.2), `parents[i]` the
+    /// index of node `i`'s parent among `tokens` (`< i`) or `None` for a node that follows the
+    /// cache directly; node `i` sits at position `cache.seq_len(seq) + depth(i)` and attends to
+    /// the cache and to its own path only (`deco_kernels::ops::tree_gqa_attention`). Its keys and
+    /// values are appended in node order; keep a path with [`KvCache::keep_rows`].
+    pub tree: Option<&'a [Option<usize>]>,
 }
 
 /// Which positions of each sequence get logits.
@@ -423,6 +430,14 @@ impl Llama {
         s
     }
 
+    /// The LM head as the forward runs it (out = `vocab`, in = `hidden`; packed GGUF blocks or
+    /// dense), a cheap clone (the weights are shared): `head.apply(h)` maps final hidden states
+    /// `[rows, hidden]` (after the last RMSNorm) to logits `[rows, vocab]` with the same kernel as
+    /// [`Llama::forward`]. Extra heads on the final hidden state (Medusa's shared LM head) use it.
+    pub fn lm_head_weight(&self) -> LinearWeight {
+        self.head.clone()
+    }
+
     /// The LM head, `[hidden, vocab]` (transposed: `logits = hidden @ lm_head`), f32.
     ///
     /// For a packed (quantized GGUF) head this dequantizes it on first call and keeps the copy
@@ -454,12 +469,16 @@ impl Llama {
                 return Err(Error::ContextOverflow { seq: inp.seq, needed, max: self.max_context() });
             }
             let start = ids.len();
+            let depths = match inp.tree {
+                None => None,
+                Some(parents) => Some(tree_depths(inp.seq, parents, inp.tokens.len())?),
+            };
             for (i, &t) in inp.tokens.iter().enumerate() {
                 if t as usize >= cfg.vocab_size {
                     return Err(Error::TokenOutOfRange { id: t, vocab: cfg.vocab_size });
                 }
                 ids.push(t as i64);
-                positions.push((past + i) as i64);
+                positions.push((past + depths.as_ref().map_or(i, |d| d[i])) as i64);
             }
             spans.push(Span { start, len: inp.tokens.len(), past });
         }
@@ -681,10 +700,36 @@ fn multi_token_attention(
     for (i, (inp, sp)) in inputs.iter().zip(&batch.spans).enumerate() {
         if sp.len != 1 {
             let (kall, vall) = cache.append(li, inp.seq, batch.rows(k, sp), batch.rows(v, sp))?;
-            out[i] = Some(causal_gqa_attention(batch.rows(q, sp), kall, vall, sp.past));
+            out[i] = Some(span_attention(batch.rows(q, sp), kall, vall, sp.past, inp.tree));
         }
     }
     Ok(out)
+}
+
+/// Attention of one sequence's new rows over its gathered cache: causal, or tree attention for a
+/// token tree ([`SeqInput::tree`]; the burn composition on every device, trees are small).
+fn span_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, past: usize, tree: Option<&[Option<usize>]>) -> Tensor<2> {
+    match tree {
+        Some(parents) if parents.len() > 1 => deco_kernels::ops::tree_gqa_attention(q, k, v, past, parents),
+        _ => causal_gqa_attention(q, k, v, past),
+    }
+}
+
+/// Depth of every node of a token tree ([`SeqInput::tree`]), checking that it has one parent
+/// entry per token and that each parent precedes its child.
+fn tree_depths(seq: SeqId, parents: &[Option<usize>], tokens: usize) -> Result<Vec<usize>> {
+    if parents.len() != tokens {
+        return Err(Error::InvalidInput(format!("sequence {seq}: a token tree of {} parents for {tokens} tokens", parents.len())));
+    }
+    let mut depth = Vec::with_capacity(tokens);
+    for (i, p) in parents.iter().enumerate() {
+        depth.push(match *p {
+            None => 0,
+            Some(p) if p < i => depth[p] + 1,
+            Some(p) => return Err(Error::InvalidInput(format!("sequence {seq}: tree node {i} has parent {p}, which does not precede it"))),
+        });
+    }
+    Ok(depth)
 }
 
 /// The attention outputs of a batch in batch order: each sequence's rows from `prefill`
@@ -734,7 +779,7 @@ impl Attend for CacheAttention<'_, '_> {
         let mut outs = Vec::with_capacity(batch.spans.len());
         for (inp, sp) in inputs.iter().zip(&batch.spans) {
             let (kall, vall) = cache.append(li, inp.seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
-            outs.push(causal_gqa_attention(batch.rows(&q, sp), kall, vall, sp.past));
+            outs.push(span_attention(batch.rows(&q, sp), kall, vall, sp.past, inp.tree));
         }
         Ok(if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) })
     }

@@ -25,14 +25,14 @@ fn run_checked(dir: &str, device: &Device, check: impl Fn(&Llama)) -> Vec<Vec<f3
     let b: Vec<u32> = (0..5).map(|i| (i * 13 + 1) % vocab).collect();
     let mut cache = DenseKvCache::new(model.num_layers());
     let mut rows = model
-        .forward(&[SeqInput { seq: 0, tokens: &a }, SeqInput { seq: 1, tokens: &b }], &mut cache, LogitsWanted::All)
+        .forward(&[SeqInput { seq: 0, tokens: &a, tree: None }, SeqInput { seq: 1, tokens: &b, tree: None }], &mut cache, LogitsWanted::All)
         .expect("prefill")
         .logits_rows()
         .expect("logits");
     for step in 0..3u32 {
         let (ta, tb) = ([(step * 5 + 2) % vocab], [(step * 11 + 4) % vocab]);
         let out = model
-            .forward(&[SeqInput { seq: 0, tokens: &ta }, SeqInput { seq: 1, tokens: &tb }], &mut cache, LogitsWanted::All)
+            .forward(&[SeqInput { seq: 0, tokens: &ta, tree: None }, SeqInput { seq: 1, tokens: &tb, tree: None }], &mut cache, LogitsWanted::All)
             .expect("decode")
             .logits_rows()
             .expect("logits");

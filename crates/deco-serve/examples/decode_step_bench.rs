@@ -50,7 +50,7 @@ fn main() {
         let mut cache = PagedKvCache::new(shape, &device).expect("cache");
         let prompt: Vec<u32> = (0..context as u32).map(|i| 100 + (i * 37) % 5000).collect();
         for s in 0..batch as u64 {
-            fused.forward(&[SeqInput { seq: s, tokens: &prompt }], &mut cache, LogitsWanted::Last).expect("prefill");
+            fused.forward(&[SeqInput { seq: s, tokens: &prompt, tree: None }], &mut cache, LogitsWanted::Last).expect("prefill");
         }
         let (mut tf, mut tr) = (Vec::new(), Vec::new());
         for r in 0..rounds {
@@ -60,7 +60,7 @@ fn main() {
                 for step in 0..8u32 {
                     let toks: Vec<u32> = (0..batch as u32).map(|s| 200 + (s * 13 + step) % 4000).collect();
                     let inputs: Vec<SeqInput<'_>> = (0..batch)
-                        .map(|s| SeqInput { seq: s as u64, tokens: std::slice::from_ref(&toks[s]) })
+                        .map(|s| SeqInput { seq: s as u64, tokens: std::slice::from_ref(&toks[s]), tree: None })
                         .collect();
                     let t0 = Instant::now();
                     let out = model.forward(&inputs, &mut cache, LogitsWanted::Last).expect("decode");

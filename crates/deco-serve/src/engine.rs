@@ -44,8 +44,8 @@ use deco_model::{Llama, SeqId, SeqInput};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use deco_generate::{
-    BeamSearch, BeamSearchParams, ContrastiveDecoding, ContrastiveDecodingParams, ContrastiveSearch, DraftSchedule, DraftSource, Local, Op, Role, SeqRows,
-    Speculative, StepMachine,
+    BeamSearch, BeamSearchParams, ContrastiveDecoding, ContrastiveDecodingParams, ContrastiveSearch, DraftHeads, DraftSchedule, DraftSource, Local, Medusa,
+    MedusaTree, Op, Role, SeqRows, Speculative, StepMachine, TypicalAcceptance,
 };
 
 use crate::paged_cache::{CacheShape, PagedKvCache};
@@ -160,6 +160,22 @@ pub enum Strategy {
         /// How γ evolves.
         schedule: DraftSchedule,
     },
+    /// Medusa decoding ([`Medusa`], Cai et al. 2024) with the engine's heads and candidate tree
+    /// ([`EngineOptions::medusa`]).
+    Medusa,
+}
+
+/// Medusa heads as an engine setting (`deco generate --medusa`, `deco serve --medusa`): every
+/// request it can serve unchanged runs as [`Strategy::Medusa`] (one choice, no structured output,
+/// no logprobs, no AutoDeco heads at work, no other strategy asked); the others decode as usual.
+#[derive(Debug, Clone)]
+pub struct MedusaSetting {
+    /// The heads (`deco_autodeco::medusa::MedusaHeads`).
+    pub heads: Arc<dyn DraftHeads>,
+    /// The candidate tree (the reference's `medusa_choices`).
+    pub tree: MedusaTree,
+    /// Acceptance of candidates when sampling.
+    pub acceptance: TypicalAcceptance,
 }
 
 /// The engine's second model: the draft of speculative decoding or the amateur of contrastive
@@ -197,6 +213,8 @@ pub struct EngineOptions {
     pub draft: Option<DraftModel>,
     /// Speculative decoding for every eligible request.
     pub speculation: Option<Speculation>,
+    /// Medusa decoding for every eligible request.
+    pub medusa: Option<MedusaSetting>,
 }
 
 /// A generation request.
@@ -509,6 +527,7 @@ pub struct EngineHandle {
     eos: Arc<Vec<u32>>,
     has_draft: bool,
     speculation: Option<Speculation>,
+    medusa: Option<Arc<MedusaSetting>>,
     has_autodeco: bool,
 }
 
@@ -602,7 +621,13 @@ impl EngineHandle {
         let speculate = self.speculation.filter(|_| {
             req.n == 1 && req.constraint.is_none() && req.params.logprobs.is_none() && !req.uses_heads(self.has_autodeco)
         });
-        let strategy = req.strategy.or(speculate.map(|s| Strategy::Speculative { num_speculative_tokens: s.num_speculative_tokens, source: s.source, schedule: s.schedule }));
+        let medusa = self.medusa.as_ref().filter(|_| {
+            req.n == 1 && req.constraint.is_none() && req.params.logprobs.is_none() && !req.uses_heads(self.has_autodeco)
+        });
+        let strategy = req
+            .strategy
+            .or(medusa.map(|_| Strategy::Medusa))
+            .or(speculate.map(|s| Strategy::Speculative { num_speculative_tokens: s.num_speculative_tokens, source: s.source, schedule: s.schedule }));
         let Some(strategy) = strategy else { return Ok(None) };
         if req.constraint.is_some() {
             return Err(Error::InvalidRequest("structured output (response_format, guided_*, tools) works with sampling only, not with another decoding strategy".into()));
@@ -663,6 +688,20 @@ impl EngineHandle {
                 let m = Speculative::new(&req.prompt, &req.params, source, num_speculative_tokens, &self.eos, self.max_context)
                     .map_err(|e| Error::InvalidRequest(e.to_string()))?
                     .with_schedule(schedule);
+                Ok(Some(Box::new(m)))
+            }
+            Strategy::Medusa => {
+                let Some(ms) = &self.medusa else {
+                    return Err(Error::InvalidRequest("Medusa decoding needs an engine started with Medusa heads (deco serve --medusa DIR)".into()));
+                };
+                if req.n != 1 {
+                    return Err(Error::InvalidRequest("Medusa decoding runs one choice per request (n = 1)".into()));
+                }
+                if req.params.logprobs.is_some() {
+                    return Err(Error::InvalidRequest("Medusa decoding does not report logprobs".into()));
+                }
+                let m = Medusa::new(&req.prompt, &req.params, ms.heads.clone(), ms.tree.clone(), ms.acceptance, &self.eos, self.max_context)
+                    .map_err(|e| Error::InvalidRequest(e.to_string()))?;
                 Ok(Some(Box::new(m)))
             }
         }
@@ -879,7 +918,16 @@ pub fn spawn_engine_opts(
     config: EngineConfig,
     options: EngineOptions,
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
-    let EngineOptions { autodeco, draft, speculation } = options;
+    let EngineOptions { autodeco, draft, speculation, medusa } = options;
+    if let Some(ms) = &medusa
+        && ms.tree.depth() > ms.heads.num_heads()
+    {
+        return Err(Error::InvalidRequest(format!(
+            "the Medusa tree is {} deep, the heads predict {} positions",
+            ms.tree.depth(),
+            ms.heads.num_heads()
+        )));
+    }
     if let Some(sp) = speculation {
         if sp.num_speculative_tokens == 0 {
             return Err(Error::InvalidRequest("num_speculative_tokens must be at least 1".into()));
@@ -947,6 +995,7 @@ pub fn spawn_engine_opts(
         eos: Arc::new(tokenizer.eos_token_ids().to_vec()),
         has_draft: draft.is_some(),
         speculation,
+        medusa: medusa.map(Arc::new),
         has_autodeco: autodeco.is_some(),
     };
     let eos = tokenizer.eos_token_ids().to_vec();
@@ -1162,7 +1211,7 @@ impl Engine {
             }
             work.retain(|w| !failed.iter().any(|f| f.0 == w.0));
             if !work.is_empty() {
-                let inputs: Vec<SeqInput<'_>> = work.iter().map(|w| SeqInput { seq: w.2, tokens: &w.3 }).collect();
+                let inputs: Vec<SeqInput<'_>> = work.iter().map(|w| SeqInput { seq: w.2, tokens: &w.3, tree: None }).collect();
                 let ones = vec![1; inputs.len()];
                 let out = d.model.forward_rows(&inputs, &mut d.cache, &ones, d.num_layers).and_then(|o| o.logits_rows());
                 self.metrics.draft_steps.fetch_add(1, Ordering::Relaxed);
@@ -1209,7 +1258,12 @@ impl Engine {
             return;
         }
         for c in &plan.chunks {
-            self.cache.record_tokens(c.seq, &c.tokens);
+            // A token tree's nodes are not a continuation: their ids are not recorded, so that
+            // no block of tree keys enters the prefix cache (the kept path is recorded when
+            // the strategy keeps it).
+            if c.tree.is_none() {
+                self.cache.record_tokens(c.seq, &c.tokens);
+            }
             // A request's first chunk starts after the prompt tokens the prefix cache held.
             let req = self.req_of(c.seq);
             if let Some(r) = req.and_then(|r| self.reqs.get_mut(&r)) {
@@ -1219,7 +1273,7 @@ impl Engine {
             let prompt_part = prompt_len.saturating_sub(c.start).min(c.tokens.len());
             self.metrics.prompt_tokens_computed.fetch_add(prompt_part as u64, Ordering::Relaxed);
         }
-        let inputs: Vec<SeqInput<'_>> = plan.chunks.iter().map(|c| SeqInput { seq: c.seq, tokens: &c.tokens }).collect();
+        let inputs: Vec<SeqInput<'_>> = plan.chunks.iter().map(|c| SeqInput { seq: c.seq, tokens: &c.tokens, tree: c.tree.as_deref() }).collect();
         // Rows per chunk: the last token's for sampling; for a step machine's sequence, the
         // positions of the chunk in the window its feed asked rows for (at least one row is
         // computed; extra rows are dropped).
@@ -1334,7 +1388,7 @@ impl Engine {
                         Ok((sampler, matcher)) => {
                             let tokens = self.sched.get(c.seq).map(|s| s.tokens.clone()).unwrap_or_default();
                             let num_computed = tokens.len();
-                            self.sched.add_running(SchedSeq { id: child, tokens, num_computed });
+                            self.sched.add_running(SchedSeq { id: child, tokens, num_computed, tree: None });
                             let constraint = self.seqs.get(&c.seq).and_then(|s| s.constraint.clone());
                             self.seqs.insert(child, SeqState { req: req_id, index: i, sampler, matcher, detok: Detok::default(), generated: Vec::new(), last_token: None, constraint });
                             if let Some(r) = self.reqs.get_mut(&req_id) {
@@ -1480,7 +1534,7 @@ impl Engine {
                     self.cache.fork(src, child)?;
                     let tokens = self.sched.get(src).map(|s| s.tokens.clone()).unwrap_or_default();
                     let num_computed = tokens.len();
-                    self.sched.add_running(SchedSeq { id: child, tokens, num_computed });
+                    self.sched.add_running(SchedSeq { id: child, tokens, num_computed, tree: None });
                     m.seqs.insert(to, child);
                     r.seqs.push(child);
                     self.machine_seqs.insert(child, (req_id, to));
@@ -1495,6 +1549,34 @@ impl Engine {
                     }
                     m.fed.push((seq, rows, hidden));
                     target_feeds = true;
+                }
+                Op::FeedTree { seq, tokens, parents } => {
+                    let sid = *m.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+                    let n = tokens.len();
+                    let budget = self.sched.config().max_num_batched_tokens;
+                    if n == 0 || parents.len() != n || parents.iter().enumerate().any(|(i, p)| p.is_some_and(|p| p >= i)) {
+                        return Err(Error::InvalidRequest(format!("the strategy fed a token tree of {n} nodes with invalid parents {parents:?}")));
+                    }
+                    if n > budget {
+                        return Err(Error::InvalidRequest(format!("a token tree of {n} nodes exceeds the step budget of {budget} tokens (max_num_batched_tokens)")));
+                    }
+                    if !self.sched.set_tree(sid, &tokens, parents) {
+                        return Err(Error::InvalidRequest(format!("the strategy fed a token tree to sequence {seq}, which has uncomputed tokens or a pending tree")));
+                    }
+                    m.fed.push((seq, n, true));
+                    target_feeds = true;
+                }
+                Op::KeepTreePath { seq, path } => {
+                    let sid = *m.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+                    if path.windows(2).any(|w| w[0] >= w[1]) {
+                        return Err(Error::InvalidRequest(format!("tree path {path:?} is not increasing")));
+                    }
+                    let (start, kept) = self
+                        .sched
+                        .keep_tree_path(sid, &path)
+                        .ok_or_else(|| Error::InvalidRequest(format!("the strategy kept tree nodes {path:?} of sequence {seq}, which has no such computed tree")))?;
+                    deco_model::KvCache::keep_rows(&mut self.cache, sid, start, &path)?;
+                    self.cache.record_computed(sid, &kept);
                 }
                 Op::Truncate { seq, len } => {
                     let sid = *m.seqs.get(&seq).ok_or_else(|| unknown(seq))?;

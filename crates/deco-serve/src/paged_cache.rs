@@ -318,6 +318,18 @@ impl PagedKvCache {
         // Fewer ids than committed tokens: the sequence was not recorded from the start; leave it.
     }
 
+    /// Records the token ids of positions already computed but not recorded (a token tree's
+    /// kept path after [`KvCache::keep_rows`]: the tree's nodes are not recorded, so that no
+    /// block of tree keys enters the prefix cache) and registers the blocks they complete. Does
+    /// nothing unless `tokens` covers exactly the unrecorded computed positions.
+    pub fn record_computed(&mut self, seq: SeqId, tokens: &[u32]) {
+        let Some(s) = self.seqs.get_mut(&seq) else { return };
+        if s.tokens.len() + tokens.len() == s.len {
+            s.tokens.extend_from_slice(tokens);
+            self.register_full_blocks(seq);
+        }
+    }
+
     /// Reuses the longest run of cached full blocks of `prompt` for the new sequence `seq`,
     /// leaving at least one prompt token to compute (its logits are needed). Returns the number
     /// of cached tokens (a multiple of the block size), now committed for `seq`.
@@ -606,6 +618,38 @@ impl KvCache for PagedKvCache {
             self.pool.free(b).map_err(model_err)?;
         }
         Ok(())
+    }
+
+    fn keep_rows(&mut self, seq: SeqId, start: usize, rows: &[usize]) -> deco_model::Result<()> {
+        let (bs, tf) = (self.shape.block_size, self.token_floats());
+        let s = self.seqs.get(&seq).ok_or_else(|| model_err(Error::UnknownSequence(seq)))?;
+        let increasing = rows.windows(2).all(|w| w[0] < w[1]);
+        if !increasing || rows.last().is_some_and(|&r| start + r >= s.len) {
+            return Err(deco_model::Error::InvalidInput(format!(
+                "cannot keep tree rows {rows:?} after position {start} of sequence {seq} ({} tokens)",
+                s.len
+            )));
+        }
+        // Slot (flat token index in the layer buffers) of position `p`.
+        let slot = |p: usize| s.table[p / bs] as usize * bs + p % bs;
+        let moves: Vec<(usize, usize)> = rows.iter().enumerate().filter(|&(i, &r)| r != i).map(|(i, &r)| (slot(start + r), slot(start + i))).collect();
+        // The destinations lie in blocks this sequence wrote in the tree's forward (positions
+        // `start ..`): exclusive to it (copy-on-write ran when they were reserved).
+        if self.on_device() {
+            for t in self.dk.iter_mut().chain(self.dv.iter_mut()) {
+                for &(src, dst) in &moves {
+                    let row = t.clone().slice([src..src + 1, 0..tf]).add_scalar(0.0);
+                    assign_rows(t, dst, row);
+                }
+            }
+        } else {
+            for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+                for &(src, dst) in &moves {
+                    buf.copy_within(src * tf..(src + 1) * tf, dst * tf);
+                }
+            }
+        }
+        KvCache::truncate(self, seq, start + rows.len())
     }
 
     fn remove(&mut self, seq: SeqId) {

@@ -47,6 +47,18 @@ pub struct SchedSeq {
     pub tokens: Vec<u32>,
     /// Tokens whose keys and values are in the cache.
     pub num_computed: usize,
+    /// A token tree at the end of `tokens` (Medusa's candidates, [`Scheduler::set_tree`]):
+    /// scheduled as one chunk of its own with tree attention, never split.
+    pub tree: Option<TreeTail>,
+}
+
+/// The last tokens of a sequence that form a token tree rather than a continuation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeTail {
+    /// Index of the tree's first node in the sequence's tokens.
+    pub start: usize,
+    /// Parent of each node among the tree's nodes (`deco_model::SeqInput::tree`).
+    pub parents: Vec<Option<usize>>,
 }
 
 /// One sequence's share of a step: compute `tokens[start..start + len]`.
@@ -61,6 +73,8 @@ pub struct Chunk {
     /// True when the chunk reaches the end of the sequence's tokens: its last logits row samples
     /// the next token. False for a non-final prefill chunk.
     pub samples: bool,
+    /// The parents of the chunk's tokens when the chunk is a whole token tree.
+    pub tree: Option<Vec<Option<usize>>>,
 }
 
 /// What one step does.
@@ -98,7 +112,7 @@ impl Scheduler {
 
     /// Queues a new sequence (FCFS: behind every waiting one).
     pub fn add(&mut self, id: SeqId, tokens: Vec<u32>) {
-        self.waiting.push_back(SchedSeq { id, tokens, num_computed: 0 });
+        self.waiting.push_back(SchedSeq { id, tokens, num_computed: 0, tree: None });
     }
 
     /// Queues a new sequence whose every prompt position must be computed (its strategy reads
@@ -176,6 +190,38 @@ impl Scheduler {
         }
     }
 
+    /// Appends a token tree to `id`, whose tokens must all be computed: `tokens` with the parents
+    /// of each node among them ([`TreeTail`]). Returns false (nothing changed) for an unknown
+    /// sequence, one with uncomputed tokens or a tree already pending.
+    pub fn set_tree(&mut self, id: SeqId, tokens: &[u32], parents: Vec<Option<usize>>) -> bool {
+        let Some(s) = self.get_mut(id) else { return false };
+        if s.tree.is_some() || s.num_computed != s.tokens.len() || parents.len() != tokens.len() {
+            return false;
+        }
+        s.tree = Some(TreeTail { start: s.tokens.len(), parents });
+        s.tokens.extend_from_slice(tokens);
+        true
+    }
+
+    /// Replaces the computed tree of `id` by the nodes `path` of it (root-to-node order): its
+    /// tokens follow the tree's start and count as computed (the caller moves their keys and
+    /// values, `deco_model::KvCache::keep_rows`). Returns the tree's start and the kept tokens;
+    /// `None` (nothing changed) without a computed tree or for nodes out of range.
+    pub fn keep_tree_path(&mut self, id: SeqId, path: &[usize]) -> Option<(usize, Vec<u32>)> {
+        let s = self.get_mut(id)?;
+        let tree = s.tree.as_ref()?;
+        let start = tree.start;
+        if s.num_computed != s.tokens.len() || path.iter().any(|&n| n >= tree.parents.len()) {
+            return None;
+        }
+        let kept: Vec<u32> = path.iter().map(|&n| s.tokens[start + n]).collect();
+        s.tokens.truncate(start);
+        s.tokens.extend_from_slice(&kept);
+        s.num_computed = s.tokens.len();
+        s.tree = None;
+        Some((start, kept))
+    }
+
     /// Removes `id` (finished or aborted) from either queue and frees its blocks.
     pub fn remove(&mut self, id: SeqId, cache: &mut PagedKvCache) {
         self.uncached.remove(&id);
@@ -199,11 +245,18 @@ impl Scheduler {
         let mut budget = self.config.max_num_batched_tokens;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            let (id, done, total) = {
+            let (id, done, total, tree_start) = {
                 let s = &self.running[i];
-                (s.id, s.num_computed, s.tokens.len())
+                (s.id, s.num_computed, s.tokens.len(), s.tree.as_ref().map(|t| t.start))
             };
-            let n = (total - done).min(budget);
+            // A pending tree is one chunk of its own: the tokens before it first, then the whole
+            // tree when the budget takes it.
+            let (end, is_tree) = match tree_start {
+                Some(t) if done < t => (t, false),
+                Some(_) => (total, true),
+                None => (total, false),
+            };
+            let n = if is_tree && total - done > budget { 0 } else { (end - done).min(budget) };
             if n == 0 {
                 i += 1;
                 continue;
@@ -223,7 +276,8 @@ impl Scheduler {
                 break;
             }
             let s = &self.running[i];
-            plan.chunks.push(Chunk { seq: id, start: done, tokens: s.tokens[done..done + n].to_vec(), samples: done + n == total });
+            let tree = if is_tree { s.tree.as_ref().map(|t| t.parents.clone()) } else { None };
+            plan.chunks.push(Chunk { seq: id, start: done, tokens: s.tokens[done..done + n].to_vec(), samples: done + n == total, tree });
             budget -= n;
             i += 1;
         }
@@ -234,8 +288,10 @@ impl Scheduler {
             let Some(front) = self.waiting.front() else { break };
             let id = front.id;
             let tokens = front.tokens.clone();
-            let cached = if self.uncached.contains(&id) { 0 } else { cache.attach_prefix(id, &tokens).unwrap_or(0) };
-            let n = (tokens.len() - cached).min(budget);
+            // A sequence preempted with a pending tree recomputes the tokens before it first.
+            let end = front.tree.as_ref().map_or(tokens.len(), |t| t.start);
+            let cached = if self.uncached.contains(&id) { 0 } else { cache.attach_prefix(id, &tokens[..end]).unwrap_or(0) };
+            let n = (end - cached).min(budget);
             if cache.reserve(id, cached + n).is_err() {
                 let _ = cache.free_seq(id);
                 break;
@@ -244,7 +300,7 @@ impl Scheduler {
             seq.num_computed = cached;
             self.prefix_cache_queries += tokens.len() as u64;
             self.prefix_cache_hits += cached as u64;
-            plan.chunks.push(Chunk { seq: id, start: cached, tokens: tokens[cached..cached + n].to_vec(), samples: cached + n == tokens.len() });
+            plan.chunks.push(Chunk { seq: id, start: cached, tokens: tokens[cached..cached + n].to_vec(), samples: cached + n == tokens.len(), tree: None });
             budget -= n;
             self.running.push(seq);
         }

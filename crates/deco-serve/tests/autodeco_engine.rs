@@ -45,7 +45,7 @@ fn collect(rx: &mut tokio::sync::mpsc::UnboundedReceiver<EngineEvent>) -> Sample
 fn replay(model: &Llama, heads: &HostHeads, prompt: &[u32], tokens: &[u32], params: &SamplingParams, eos: &[u32]) -> Sampled {
     let full: Vec<u32> = prompt.iter().chain(tokens).copied().collect();
     let mut cache = DenseKvCache::new(model.num_layers());
-    let out = model.forward(&[SeqInput { seq: 0, tokens: &full[..full.len() - 1] }], &mut cache, LogitsWanted::All).expect("forward");
+    let out = model.forward(&[SeqInput { seq: 0, tokens: &full[..full.len() - 1], tree: None }], &mut cache, LogitsWanted::All).expect("forward");
     let logits = out.logits_rows().expect("logits");
     let hidden = deco_model::host::to_host_rows(out.hidden).expect("hidden");
     let mut sampler = Sampler::new(params).expect("sampler");

@@ -25,7 +25,7 @@ fn run(model: &Llama, cache: &mut dyn KvCache, steps: &[Step]) -> Vec<Vec<Vec<f3
     steps
         .iter()
         .map(|step| {
-            let inputs: Vec<SeqInput<'_>> = step.iter().map(|(s, t)| SeqInput { seq: *s, tokens: t }).collect();
+            let inputs: Vec<SeqInput<'_>> = step.iter().map(|(s, t)| SeqInput { seq: *s, tokens: t, tree: None }).collect();
             model.forward(&inputs, cache, LogitsWanted::Last).expect("forward").logits_rows().expect("rows")
         })
         .collect()

@@ -13,10 +13,10 @@ use deco_tests::{argmax, max_abs_diff};
 fn dense_last_logits(model: &Llama, prompt: &[u32], later: &[u32]) -> Vec<Vec<f32>> {
     let mut cache = DenseKvCache::new(model.num_layers());
     let mut out = Vec::new();
-    let o = model.forward(&[SeqInput { seq: 0, tokens: prompt }], &mut cache, LogitsWanted::Last).expect("dense prefill");
+    let o = model.forward(&[SeqInput { seq: 0, tokens: prompt, tree: None }], &mut cache, LogitsWanted::Last).expect("dense prefill");
     out.push(o.logits_rows().expect("rows").remove(0));
     for t in later {
-        let o = model.forward(&[SeqInput { seq: 0, tokens: std::slice::from_ref(t) }], &mut cache, LogitsWanted::Last).expect("dense decode");
+        let o = model.forward(&[SeqInput { seq: 0, tokens: std::slice::from_ref(t), tree: None }], &mut cache, LogitsWanted::Last).expect("dense decode");
         out.push(o.logits_rows().expect("rows").remove(0));
     }
     out
@@ -48,7 +48,7 @@ fn paged_logits_equal_dense_logits() {
         for (i, c) in &chunks {
             paged.record_tokens(*i as u64, c);
         }
-        let inputs: Vec<SeqInput<'_>> = chunks.iter().map(|(i, c)| SeqInput { seq: *i as u64, tokens: c }).collect();
+        let inputs: Vec<SeqInput<'_>> = chunks.iter().map(|(i, c)| SeqInput { seq: *i as u64, tokens: c, tree: None }).collect();
         let rows = model.forward(&inputs, &mut paged, LogitsWanted::Last).expect("paged forward").logits_rows().expect("rows");
         for ((i, c), row) in chunks.iter().zip(rows) {
             done[*i] += c.len();
@@ -63,7 +63,7 @@ fn paged_logits_equal_dense_logits() {
         for i in 0..3 {
             generated[i].push(next[i]);
         }
-        let inputs: Vec<SeqInput<'_>> = (0..3).map(|i| SeqInput { seq: i as u64, tokens: std::slice::from_ref(&next[i]) }).collect();
+        let inputs: Vec<SeqInput<'_>> = (0..3).map(|i| SeqInput { seq: i as u64, tokens: std::slice::from_ref(&next[i]), tree: None }).collect();
         let rows = model.forward(&inputs, &mut paged, LogitsWanted::Last).expect("paged decode").logits_rows().expect("rows");
         for (i, row) in rows.into_iter().enumerate() {
             paged_rows[i].push(row);
@@ -84,7 +84,7 @@ fn paged_logits_equal_dense_logits() {
     let shared_before = paged.pool().num_used();
     let (ta, tb) = (198u32, 216u32);
     let rows = model
-        .forward(&[SeqInput { seq: 0, tokens: &[ta] }, SeqInput { seq: 10, tokens: &[tb] }], &mut paged, LogitsWanted::Last)
+        .forward(&[SeqInput { seq: 0, tokens: &[ta], tree: None }, SeqInput { seq: 10, tokens: &[tb], tree: None }], &mut paged, LogitsWanted::Last)
         .expect("fork decode")
         .logits_rows()
         .expect("rows");
@@ -104,7 +104,7 @@ fn paged_logits_equal_dense_logits() {
     assert_eq!(cached, 12);
     paged.record_tokens(20, &prompts[1][cached..]);
     let rows = model
-        .forward(&[SeqInput { seq: 20, tokens: &prompts[1][cached..] }], &mut paged, LogitsWanted::Last)
+        .forward(&[SeqInput { seq: 20, tokens: &prompts[1][cached..], tree: None }], &mut paged, LogitsWanted::Last)
         .expect("prefix forward")
         .logits_rows()
         .expect("rows");

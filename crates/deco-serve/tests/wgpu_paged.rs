@@ -52,7 +52,7 @@ fn run(dir: &str, device: &Device, paged: bool) -> Vec<Vec<f32>> {
     let tok = |i: u32, m: u32| (i * m + 3) % vocab;
     let mut rows = Vec::new();
     let mut step = |cache: &mut Cache, inputs: &[(u64, Vec<u32>)]| {
-        let seqs: Vec<SeqInput<'_>> = inputs.iter().map(|(s, t)| SeqInput { seq: *s, tokens: t }).collect();
+        let seqs: Vec<SeqInput<'_>> = inputs.iter().map(|(s, t)| SeqInput { seq: *s, tokens: t, tree: None }).collect();
         let out = model.forward(&seqs, cache.kv(), LogitsWanted::All).expect("forward").logits_rows().expect("logits");
         rows.extend(out);
     };
