@@ -25,12 +25,23 @@
 //! (FMA with AVX2); relative error against an f64 reference is ~1e-6 of `Σ_p p_p |v_p|`.
 //!
 //! # Parallelism and ISA
-//! With at least twice as many sequences as rayon threads, one task per sequence (all its kv
-//! heads, so each key/value row is read once, whole, while it is in L1); with fewer, one task
-//! per (sequence, kv head) so that a single long sequence still uses every core. A task handles
-//! all query heads of its kv heads. Small batches run on the calling thread.
-//! Dot products and the `acc += p · v` updates use AVX2 + FMA when [`Isa::detect`] finds them
-//! (`DECO_KERNELS=scalar` forces the portable loops).
+//! Split-K over the key positions (FlashDecoding, Dao et al. 2023; llama.cpp's and vLLM's
+//! PagedAttention V2 partitions): each sequence's positions are cut into chunks of [`CHUNK`]
+//! positions, and each (sequence, chunk, kv head) gets a partial result: the unnormalized
+//! output, running max and sum of the chunk for all query heads of that kv head. With at least
+//! twice as many chunks as rayon threads one task computes all kv heads of a chunk (each
+//! key/value row is read whole, in order); with fewer, one task per kv head. The partials of a
+//! (sequence, head) are then merged in chunk order (`o = Σ_c e^{m_c − m} o_c / Σ_c e^{m_c − m}
+//! l_c`). The cut depends only on the sequence's length, so a sequence gets the same bits alone
+//! or in any batch, on any number of threads; a single long sequence with few kv heads still
+//! keeps every core busy (SmolLM2 has 3 kv heads: without the split two threads run 2 + 1
+//! tasks). Small calls run on the calling thread.
+//!
+//! The AVX2 + FMA task (chosen when [`Isa::detect`] finds it and `head_dim` is a multiple of 8;
+//! `DECO_KERNELS=scalar` forces the portable loops) computes the scores of 8 positions at a time
+//! with one horizontal reduction for the 8, exponentiates a tile with a vectorized polynomial
+//! `exp` (Cephes `expf`), and keeps the output accumulator of 64 dimensions in registers across
+//! a tile's positions.
 
 use std::ops::Range;
 
@@ -41,6 +52,9 @@ use crate::quant::Isa;
 
 /// Key positions per online-softmax tile.
 pub const TILE: usize = 32;
+
+/// Key positions per split-K chunk (a multiple of [`TILE`]); see the [module docs](self).
+pub const CHUNK: usize = 256;
 
 /// Below this many multiply-adds in total (`Σ len · n_heads · head_dim · 2`) the tasks run on
 /// the calling thread (rayon's fork/join costs more than the work).
@@ -159,28 +173,75 @@ pub fn paged_decode_attention_with(
     }
     let isa = if isa.is_available() { isa } else { Isa::Scalar };
     let g = n_heads / kv_heads;
-    // Many sequences: one task per sequence over all its kv heads (each key/value row is read
-    // once, whole); few sequences: one task per (sequence, kv head) so every core gets work.
+    // Partials are (sequence, chunk, kv head), sequence-major; `first[i]` is sequence i's first.
+    let mut first = Vec::with_capacity(seqs.len() + 1);
+    let mut partials = 0usize;
+    for s in seqs {
+        first.push(partials);
+        partials += kv_heads * s.len.div_ceil(CHUNK);
+    }
+    first.push(partials);
+    // Per partial: the unnormalized output of its g query heads, then g maxima, then g sums.
+    let stride = g * (head_dim + 2);
+    let mut part = vec![0.0f32; partials * stride];
     let parallel = work >= PARALLEL_MIN_WORK;
-    let kv_per_task = if parallel && seqs.len() >= 2 * rayon::current_num_threads() { kv_heads } else { 1 };
-    let tasks_per_seq = kv_heads / kv_per_task;
-    let task = |(t, o): (usize, &mut [f32])| {
-        let (si, kv0) = (t / tasks_per_seq, (t % tasks_per_seq) * kv_per_task);
-        let qs = &q[(si * n_heads + kv0 * g) * head_dim..][..kv_per_task * g * head_dim];
+    // Many chunks: a task takes all kv heads of a chunk (each key/value row is read whole, in
+    // order, which the hardware prefetcher follows); few: one kv head, so that a short batch
+    // still feeds every core. Which task computes a partial does not change its bits.
+    let chunks = partials / kv_heads;
+    let kv_per_task = if parallel && chunks >= 2 * rayon::current_num_threads() { kv_heads } else { 1 };
+    let simd = isa != Isa::Scalar && head_dim.is_multiple_of(8);
+    let run = |(t, ps): (usize, &mut [f32])| {
+        let i0 = t * kv_per_task;
+        let si = first.partition_point(|&x| x <= i0) - 1;
         let s = &seqs[si];
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `isa` is Avx2 / Avx512 only if `is_available` confirmed AVX2 and FMA;
-            // the bounds of every row read were checked above.
-            Isa::Avx2 | Isa::Avx512 => unsafe { x86::task(qs, s, kv0..kv0 + kv_per_task, shape, o) },
-            _ => scalar_task(qs, s, kv0..kv0 + kv_per_task, shape, o),
+        for (dj, p) in ps.chunks_mut(stride).enumerate() {
+            let (c, j) = ((i0 - first[si]) / kv_heads, (i0 - first[si]) % kv_heads + dj);
+            let pos = c * CHUNK..s.len.min((c + 1) * CHUNK);
+            let qs = &q[(si * n_heads + j * g) * head_dim..][..g * head_dim];
+            let (o, ml) = p.split_at_mut(g * head_dim);
+            let (m, l) = ml.split_at_mut(g);
+            match simd {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `simd` holds only if `isa` (AVX2 / AVX-512, both with AVX2 + FMA) was
+                // confirmed by `is_available` and `head_dim` is a multiple of 8; the bounds of
+                // every row read were checked above.
+                true => unsafe { x86::task(qs, s, j, pos, shape, o, m, l) },
+                _ => scalar_task(qs, s, j, pos, shape, o, m, l),
+            }
         }
     };
-    let chunk = kv_per_task * g * head_dim;
     if parallel {
-        out.par_chunks_mut(chunk).enumerate().for_each(task);
+        part.par_chunks_mut(kv_per_task * stride).enumerate().for_each(run);
     } else {
-        out.chunks_mut(chunk).enumerate().for_each(task);
+        part.chunks_mut(kv_per_task * stride).enumerate().for_each(run);
+    }
+    let merge = |(si, out_s): (usize, &mut [f32])| {
+        let nc = seqs[si].len.div_ceil(CHUNK);
+        for (h, oh) in out_s.chunks_mut(head_dim).enumerate() {
+            let (j, hg) = (h / g, h % g);
+            let at = |c: usize| (first[si] + c * kv_heads + j) * stride;
+            let ml = |c: usize| (part[at(c) + g * head_dim + hg], part[at(c) + g * head_dim + g + hg]);
+            let mx = (0..nc).map(|c| ml(c).0).fold(f32::NEG_INFINITY, f32::max);
+            oh.fill(0.0);
+            let mut sum = 0.0f32;
+            for c in 0..nc {
+                let (mc, lc) = ml(c);
+                // One chunk: alpha = e^0 = 1 exactly, so `oh` is the chunk's accumulator.
+                let alpha = (mc - mx).exp();
+                sum += alpha * lc;
+                let oc = &part[at(c) + hg * head_dim..][..head_dim];
+                oh.iter_mut().zip(oc).for_each(|(x, y)| *x += alpha * y);
+            }
+            let inv = 1.0 / sum;
+            oh.iter_mut().for_each(|x| *x *= inv);
+        }
+    };
+    let per_seq = n_heads * head_dim;
+    if parallel && seqs.len() > 1 {
+        out.par_chunks_mut(per_seq).enumerate().for_each(merge);
+    } else {
+        out.chunks_mut(per_seq).enumerate().for_each(merge);
     }
     Ok(())
 }
@@ -191,78 +252,59 @@ fn row_offset(s: &SeqKv<'_>, p: usize, row: usize) -> usize {
     (s.block_table[p / s.block_size] as usize * s.block_size + p % s.block_size) * row
 }
 
-/// The online-softmax loop of one task, generic over the vector primitives (inlined into the
-/// scalar and the AVX2 entry points).
-///
-/// `qs`: the query heads of kv heads `kvs`, `[kvs.len() · g, head_dim]`; `o`: same shape, out.
-#[inline(always)]
-fn task_body<D, A>(qs: &[f32], s: &SeqKv<'_>, kvs: Range<usize>, shape: AttnShape, o: &mut [f32], dot: D, axpy: A)
-where
-    D: Fn(&[f32], &[f32]) -> f32,
-    A: Fn(&mut [f32], f32, &[f32]),
-{
-    let AttnShape { n_heads, kv_heads, head_dim: d } = shape;
-    let g = n_heads / kv_heads;
+/// The portable task: the online softmax of the `g` query heads `qs` (`[g, head_dim]`) of kv
+/// head `kvh` over positions `pos` of `s`. Writes the unnormalized output `o` (`[g, head_dim]`),
+/// the running maxima `m` and sums `l` (`[g]`).
+#[allow(clippy::too_many_arguments)]
+fn scalar_task(
+    qs: &[f32],
+    s: &SeqKv<'_>,
+    kvh: usize,
+    pos: Range<usize>,
+    shape: AttnShape,
+    o: &mut [f32],
+    m: &mut [f32],
+    l: &mut [f32],
+) {
+    let AttnShape { kv_heads, head_dim: d, .. } = shape;
     let row = kv_heads * d;
+    let kvo = kvh * d;
     let scale = 1.0 / (d as f32).sqrt();
-    let nh = kvs.len() * g;
-    // Running max and sum per query head; `o` is the unnormalized accumulator.
-    let mut m = vec![f32::NEG_INFINITY; nh];
-    let mut l = vec![0.0f32; nh];
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
     o.fill(0.0);
     let mut offs = [0usize; TILE];
     let mut sc = [0.0f32; TILE];
-    let mut p0 = 0;
-    while p0 < s.len {
-        let t = TILE.min(s.len - p0);
+    let mut p0 = pos.start;
+    while p0 < pos.end {
+        let t = TILE.min(pos.end - p0);
         for (i, off) in offs[..t].iter_mut().enumerate() {
-            *off = row_offset(s, p0 + i, row);
+            *off = row_offset(s, p0 + i, row) + kvo;
         }
-        for (j, kvh) in kvs.clone().enumerate() {
-            let kvo = kvh * d;
-            for hg in 0..g {
-                let h = j * g + hg;
-                let qh = &qs[h * d..(h + 1) * d];
-                let mut tile_max = f32::NEG_INFINITY;
-                for (sv, &off) in sc[..t].iter_mut().zip(&offs[..t]) {
-                    *sv = dot(qh, &s.k[off + kvo..off + kvo + d]) * scale;
-                    tile_max = tile_max.max(*sv);
-                }
-                let m_new = m[h].max(tile_max);
-                let oh = &mut o[h * d..(h + 1) * d];
-                // exp(-inf) = 0 on the first tile: nothing to rescale.
-                let alpha = (m[h] - m_new).exp();
-                if alpha != 1.0 {
-                    oh.iter_mut().for_each(|x| *x *= alpha);
-                }
-                let mut sum = 0.0f32;
-                for (&sv, &off) in sc[..t].iter().zip(&offs[..t]) {
-                    let p = (sv - m_new).exp();
-                    sum += p;
-                    axpy(oh, p, &s.v[off + kvo..off + kvo + d]);
-                }
-                l[h] = l[h] * alpha + sum;
-                m[h] = m_new;
+        for (h, qh) in qs.chunks(d).enumerate() {
+            let mut tile_max = f32::NEG_INFINITY;
+            for (sv, &off) in sc[..t].iter_mut().zip(&offs[..t]) {
+                *sv = qh.iter().zip(&s.k[off..off + d]).map(|(x, y)| x * y).sum::<f32>() * scale;
+                tile_max = tile_max.max(*sv);
             }
+            let m_new = m[h].max(tile_max);
+            let oh = &mut o[h * d..(h + 1) * d];
+            // exp(-inf) = 0 on the first tile: nothing to rescale.
+            let alpha = (m[h] - m_new).exp();
+            if alpha != 1.0 {
+                oh.iter_mut().for_each(|x| *x *= alpha);
+            }
+            let mut sum = 0.0f32;
+            for (&sv, &off) in sc[..t].iter().zip(&offs[..t]) {
+                let p = (sv - m_new).exp();
+                sum += p;
+                oh.iter_mut().zip(&s.v[off..off + d]).for_each(|(a, x)| *a += p * x);
+            }
+            l[h] = l[h] * alpha + sum;
+            m[h] = m_new;
         }
         p0 += t;
     }
-    for (h, lh) in l.iter().enumerate() {
-        let inv = 1.0 / lh;
-        o[h * d..(h + 1) * d].iter_mut().for_each(|x| *x *= inv);
-    }
-}
-
-fn scalar_task(qs: &[f32], s: &SeqKv<'_>, kvs: Range<usize>, shape: AttnShape, o: &mut [f32]) {
-    task_body(
-        qs,
-        s,
-        kvs,
-        shape,
-        o,
-        |a, b| a.iter().zip(b).map(|(x, y)| x * y).sum(),
-        |acc, p, v| acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x),
-    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -271,86 +313,188 @@ mod x86 {
 
     use std::ops::Range;
 
-    use super::{AttnShape, SeqKv, task_body};
+    use super::{AttnShape, SeqKv, TILE, row_offset};
 
-    /// `Σ a_i b_i` over `a.len()` (= `b.len()`) values, two FMA chains.
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be available; `b.len() >= a.len()`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len();
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut i = 0;
-        // SAFETY: every load reads 8 values at `i .. i + 8 <= n` of `a` and `b`.
+    /// `[Σ a_0, …, Σ a_7]`: the horizontal sums of eight vectors in one vector.
+    #[inline(always)]
+    unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
+        // SAFETY (whole body): register-only AVX instructions.
         unsafe {
-            let mut s0 = _mm256_setzero_ps();
-            let mut s1 = _mm256_setzero_ps();
-            while i + 16 <= n {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), s1);
-                i += 16;
-            }
-            if i + 8 <= n {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
-                i += 8;
-            }
-            let v = _mm256_add_ps(s0, s1);
+            let t0 = _mm256_hadd_ps(a[0], a[1]);
+            let t1 = _mm256_hadd_ps(a[2], a[3]);
+            let t2 = _mm256_hadd_ps(a[4], a[5]);
+            let t3 = _mm256_hadd_ps(a[6], a[7]);
+            // u0 = [a0 a1 a2 a3 (low halves) | a0 a1 a2 a3 (high halves)], u1 the same for a4..a7.
+            let u0 = _mm256_hadd_ps(t0, t1);
+            let u1 = _mm256_hadd_ps(t2, t3);
+            let lo = _mm256_permute2f128_ps(u0, u1, 0x20);
+            let hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+            _mm256_add_ps(lo, hi)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        // SAFETY: register-only AVX instructions.
+        unsafe {
             let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            let h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-            let mut s = _mm_cvtss_f32(h);
-            while i < n {
-                s += a[i] * b[i];
-                i += 1;
-            }
-            s
+            _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
         }
     }
 
-    /// `acc += p · v` over `acc.len()` (= `v.len()`) values.
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be available; `v.len() >= acc.len()`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn axpy(acc: &mut [f32], p: f32, v: &[f32]) {
-        let n = acc.len();
-        let (pa, pv) = (acc.as_mut_ptr(), v.as_ptr());
-        let mut i = 0;
-        // SAFETY: every load/store touches 8 values at `i .. i + 8 <= n` of `acc` and `v`.
+    #[inline(always)]
+    unsafe fn hmax(v: __m256) -> f32 {
+        // SAFETY: register-only AVX instructions.
         unsafe {
-            let pp = _mm256_set1_ps(p);
-            while i + 8 <= n {
-                let r = _mm256_fmadd_ps(pp, _mm256_loadu_ps(pv.add(i)), _mm256_loadu_ps(pa.add(i)));
-                _mm256_storeu_ps(pa.add(i), r);
-                i += 8;
-            }
-        }
-        while i < n {
-            acc[i] += p * v[i];
-            i += 1;
+            let h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)))
         }
     }
 
-    /// The AVX2 task.
+    /// `e^x` for `x ≤ 0` lane-wise: `x = n ln 2 + r`, Cephes' `expf` polynomial for `e^r`
+    /// (relative error about 1e-7), `2^n` in the exponent bits; 0 below `-87.3` (and for
+    /// `-inf`); NaN stays NaN.
+    #[inline(always)]
+    unsafe fn exp_neg(x: __m256) -> __m256 {
+        // SAFETY (whole body): register-only AVX2/FMA instructions (the caller's target features).
+        unsafe {
+            let min = _mm256_set1_ps(-87.3);
+            // max(min, x) returns x when x is NaN, so NaN propagates.
+            let xc = _mm256_max_ps(min, x);
+            let n = _mm256_round_ps(
+                _mm256_mul_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            );
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), xc);
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+            let mut p = _mm256_set1_ps(1.987_569_1e-4);
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+            let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+            let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+            let out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+            // Lanes at or below the minimum (including -inf) are exactly 0.
+            _mm256_andnot_ps(_mm256_cmp_ps(x, min, _CMP_LE_OQ), out)
+        }
+    }
+
+    /// `acc[0..W·8] = alpha · o + Σ_i p_i · v(offs_i)` with the accumulator in registers.
     ///
     /// # Safety
-    /// AVX2 and FMA must be available; the rows of `s` must be in bounds (checked by the caller).
+    /// AVX2 + FMA; `o` holds `W · 8` values; every `v + off_i` holds `W · 8` values.
+    #[inline(always)]
+    unsafe fn pv_block<const W: usize>(o: *mut f32, alpha: f32, p: &[f32], offs: &[usize], v: *const f32) {
+        // SAFETY: the caller's contract covers every load and store.
+        unsafe {
+            let a = _mm256_set1_ps(alpha);
+            let mut acc = [_mm256_setzero_ps(); W];
+            for (k, x) in acc.iter_mut().enumerate() {
+                *x = _mm256_mul_ps(_mm256_loadu_ps(o.add(8 * k)), a);
+            }
+            for (&pi, &off) in p.iter().zip(offs) {
+                let pb = _mm256_set1_ps(pi);
+                let vp = v.add(off);
+                for (k, x) in acc.iter_mut().enumerate() {
+                    *x = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vp.add(8 * k)), *x);
+                }
+            }
+            for (k, x) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.add(8 * k), *x);
+            }
+        }
+    }
+
+    /// The AVX2 task: as `super::scalar_task`, for `head_dim` a multiple of 8.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `head_dim % 8 == 0`; the rows of `s` at `pos` must be in
+    /// bounds (checked by the caller); `qs`, `o` hold `g · head_dim` values, `m`, `l` hold `g`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn task(qs: &[f32], s: &SeqKv<'_>, kvs: Range<usize>, shape: AttnShape, o: &mut [f32]) {
-        task_body(
-            qs,
-            s,
-            kvs,
-            shape,
-            o,
-            // SAFETY: AVX2/FMA are available (this function's contract); every key row slice
-            // has `head_dim` values, as the query head.
-            |a, b| unsafe { dot(a, b) },
-            // SAFETY: as above, accumulator and value row both have `head_dim` values.
-            |acc, p, v| unsafe { axpy(acc, p, v) },
-        );
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn task(
+        qs: &[f32],
+        s: &SeqKv<'_>,
+        kvh: usize,
+        pos: Range<usize>,
+        shape: AttnShape,
+        o: &mut [f32],
+        m: &mut [f32],
+        l: &mut [f32],
+    ) {
+        let AttnShape { kv_heads, head_dim: d, .. } = shape;
+        let row = kv_heads * d;
+        let kvo = kvh * d;
+        let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        o.fill(0.0);
+        let (kp, vp) = (s.k.as_ptr(), s.v.as_ptr());
+        let mut offs = [0usize; TILE];
+        let mut sc = [0.0f32; TILE];
+        let mut p0 = pos.start;
+        // SAFETY (loop body): every key/value row read is `offs[i] .. offs[i] + d` with
+        // `offs[i]` a checked row of this sequence (padding lanes repeat the last real row);
+        // `qs`, `o` are read/written at `h · d .. (h + 1) · d`, h < g.
+        unsafe {
+            while p0 < pos.end {
+                let t = TILE.min(pos.end - p0);
+                let t8 = t.div_ceil(8) * 8;
+                for (i, off) in offs[..t].iter_mut().enumerate() {
+                    *off = row_offset(s, p0 + i, row) + kvo;
+                }
+                let last = offs[t - 1];
+                offs[t..t8].fill(last);
+                for (h, mh) in m.iter_mut().enumerate() {
+                    let qh = qs.as_ptr().add(h * d);
+                    // Scores of 8 positions at a time, one reduction for the 8.
+                    for i0 in (0..t8).step_by(8) {
+                        let mut a = [_mm256_setzero_ps(); 8];
+                        for c in (0..d).step_by(8) {
+                            let qv = _mm256_loadu_ps(qh.add(c));
+                            for (i, x) in a.iter_mut().enumerate() {
+                                *x = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(offs[i0 + i] + c)), *x);
+                            }
+                        }
+                        _mm256_storeu_ps(sc.as_mut_ptr().add(i0), _mm256_mul_ps(hsum8(&a), scale));
+                    }
+                    sc[t..t8].fill(f32::NEG_INFINITY);
+                    let mut mv = _mm256_loadu_ps(sc.as_ptr());
+                    for i0 in (8..t8).step_by(8) {
+                        mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc.as_ptr().add(i0)));
+                    }
+                    let m_new = mh.max(hmax(mv));
+                    // exp(-inf) = 0 on the first tile.
+                    let alpha = (*mh - m_new).exp();
+                    let mn = _mm256_set1_ps(m_new);
+                    let mut sv = _mm256_setzero_ps();
+                    for i0 in (0..t8).step_by(8) {
+                        let p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i0)), mn));
+                        _mm256_storeu_ps(sc.as_mut_ptr().add(i0), p);
+                        sv = _mm256_add_ps(sv, p);
+                    }
+                    l[h] = l[h] * alpha + hsum(sv);
+                    *mh = m_new;
+                    let oh = o.as_mut_ptr().add(h * d);
+                    let mut c0 = 0;
+                    while c0 + 64 <= d {
+                        pv_block::<8>(oh.add(c0), alpha, &sc[..t], &offs[..t], vp.add(c0));
+                        c0 += 64;
+                    }
+                    while c0 + 16 <= d {
+                        pv_block::<2>(oh.add(c0), alpha, &sc[..t], &offs[..t], vp.add(c0));
+                        c0 += 16;
+                    }
+                    if c0 < d {
+                        pv_block::<1>(oh.add(c0), alpha, &sc[..t], &offs[..t], vp.add(c0));
+                    }
+                }
+                p0 += t;
+            }
+        }
     }
 }

@@ -127,7 +127,7 @@ fn case() -> impl Strategy<Value = Case> {
         prop::sample::select(vec![1usize, 3, 4]),
         prop::sample::select(vec![64usize, 1, 3, 7, 8, 17, 33, 63, 65, 128]),
         1usize..=16,
-        prop::collection::vec(prop_oneof![1usize..=300, 1usize..=20], 1..=6),
+        prop::collection::vec(prop_oneof![1usize..=300, 1usize..=20, 200usize..=700], 1..=6),
         prop::sample::select(vec![0.1f32, 1.0, 3.0]),
         any::<u64>(),
     )
@@ -230,6 +230,46 @@ fn wide_groups_and_late_max() {
     let seqs = [SeqKv { k: &k, v: &v, block_table: &table, block_size: len, len }];
     for isa in isas() {
         check(&q, shape, &seqs, isa).expect("matches");
+    }
+}
+
+/// A sequence gets the same bits alone, in a batch and on one thread as on the pool: the
+/// split-K cut depends only on its length (lengths around the chunk boundary, `CHUNK` = 256).
+#[test]
+fn batch_and_thread_invariant() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let shape = AttnShape { n_heads: 9, kv_heads: 3, head_dim: 64 };
+    let row = 3 * 64;
+    let lens = [1usize, 31, 255, 256, 257, 700, 513, 40, 900];
+    let stores: Vec<(Vec<f32>, Vec<f32>)> = lens
+        .iter()
+        .map(|&len| {
+            let k = (0..len * row).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let v = (0..len * row).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            (k, v)
+        })
+        .collect();
+    let seqs: Vec<SeqKv<'_>> = lens
+        .iter()
+        .zip(&stores)
+        .map(|(&len, (k, v))| SeqKv { k, v, block_table: &[0], block_size: len, len })
+        .collect();
+    let n = 9 * 64;
+    let q: Vec<f32> = (0..seqs.len() * n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    for isa in isas() {
+        let mut batch = vec![0.0f32; q.len()];
+        paged_decode_attention_with(&q, shape, &seqs, &mut batch, isa).expect("batch");
+        let one_thread = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+        let mut serial = vec![0.0f32; q.len()];
+        one_thread.install(|| paged_decode_attention_with(&q, shape, &seqs, &mut serial, isa)).expect("serial");
+        for (i, s) in seqs.iter().enumerate() {
+            let mut alone = vec![0.0f32; n];
+            paged_decode_attention_with(&q[i * n..(i + 1) * n], shape, std::slice::from_ref(s), &mut alone, isa)
+                .expect("alone");
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&alone), bits(&batch[i * n..(i + 1) * n]), "{isa:?} len {}: alone vs batch", s.len);
+            assert_eq!(bits(&alone), bits(&serial[i * n..(i + 1) * n]), "{isa:?} len {}: pool vs one thread", s.len);
+        }
     }
 }
 
