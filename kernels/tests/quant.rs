@@ -291,6 +291,7 @@ proptest! {
                 sum += i32::from(q);
             }
             prop_assert_eq!(qa.sums[b], d * sum as f32);
+            prop_assert_eq!(qa.isums[b], sum);
             if amax > 0.0 {
                 prop_assert!(qa.codes[b * 32..(b + 1) * 32].iter().any(|q| q.unsigned_abs() == 127));
             }

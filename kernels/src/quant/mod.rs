@@ -32,7 +32,9 @@
 //! - [`PackedMatrix::matmul_q8`] (opt-in, [`set_activation_precision`]): the activations are
 //!   quantized to 8 bits per block of 32 ([`QuantizedActivations`], llama.cpp's `block_q8_0`
 //!   idea) and multiplied with integer dot products (AVX-512 VNNI `vpdpbusd`), as llama.cpp
-//!   does. About 2× faster than the f32 path at one token, but each activation carries a
+//!   does. Q4_0 / Q4_1 / Q8_0 go 8 rows at a time, one row per 32-bit lane (codes transposed
+//!   in registers, the next rows prefetched), which makes single-token decode bound by memory
+//!   bandwidth; about 2× faster than the f32 path at one token, but each activation carries a
 //!   rounding error of up to `max|x_block| / 254`, so logits move by ~1e-2 instead of ~1e-6;
 //!   the golden-logit bound of deco's tests (2e-3) is for the default f32 path.
 //!
@@ -64,8 +66,8 @@ const TILE_T: usize = 4;
 
 /// A smaller tile's results in the top-left corner of a full tile.
 #[cfg(target_arch = "x86_64")]
-fn widen<const R: usize, const T: usize>(o: [[f32; T]; R]) -> [[f32; TILE_T]; TILE_R] {
-    let mut out = [[0.0f32; TILE_T]; TILE_R];
+fn widen<const R: usize, const T: usize, const RO: usize>(o: [[f32; T]; R]) -> [[f32; TILE_T]; RO] {
+    let mut out = [[0.0f32; TILE_T]; RO];
     for (dst, src) in out.iter_mut().zip(o) {
         dst[..T].copy_from_slice(&src);
     }
@@ -295,6 +297,8 @@ pub struct QuantizedActivations {
     pub scales: Vec<f32>,
     /// Per-block `d_b · Σ q_i`, `[n, cols / 32]`.
     pub sums: Vec<f32>,
+    /// Per-block `Σ q_i` (exact integers), `[n, cols / 32]`.
+    pub isums: Vec<i32>,
 }
 
 impl QuantizedActivations {
@@ -314,6 +318,7 @@ impl QuantizedActivations {
         let mut codes = vec![0i8; x.len()];
         let mut scales = vec![0.0f32; nblocks];
         let mut sums = vec![0.0f32; nblocks];
+        let mut isums = vec![0i32; nblocks];
         for (b, (xb, qb)) in x.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).enumerate() {
             let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             if xb.iter().any(|v| !v.is_finite()) {
@@ -331,8 +336,9 @@ impl QuantizedActivations {
             }
             scales[b] = d;
             sums[b] = d * sum as f32;
+            isums[b] = sum;
         }
-        Ok(Self { codes, scales, sums })
+        Ok(Self { codes, scales, sums, isums })
     }
 }
 
@@ -672,7 +678,7 @@ impl PackedMatrix {
     fn matmul_tiled_512(&self, x: &[f32], n: usize, y: &mut [f32]) {
         let (cols, ty) = (self.cols, self.ty);
         let nb = cols / BLOCK;
-        self.tiled(n, cols * n, y, |t, wp, rk, tk| {
+        self.tiled::<TILE_R, _>(n, cols * n, y, |t, wp, rk, tk| {
             let xp = x[t * cols..].as_ptr();
             // SAFETY: AVX-512 F/BW/VL, AVX2, FMA and F16C were detected (the caller checked
             // `Isa::Avx512.is_available()`); `tiled` passes rows that exist (each `row_bytes` of
@@ -692,15 +698,43 @@ impl PackedMatrix {
         });
     }
 
-    /// The VNNI path of [`PackedMatrix::matmul_q8`]: 8-bit activations, `x86_512::q8_tile`.
+    /// The VNNI path of [`PackedMatrix::matmul_q8`]: 8-bit activations; Q4_0, Q4_1 and Q8_0
+    /// through `x86_512::q8_rows8` (8 rows per vector, one lane per row), the other types
+    /// through `x86_512::q8_tile`.
     #[cfg(target_arch = "x86_64")]
     fn matmul_tiled_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32]) {
         let (cols, ty) = (self.cols, self.ty);
         let nb = cols / BLOCK;
+        let rb = self.row_bytes();
+        if matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0) {
+            // Integer products over 8 rows at once are ~16× cheaper than the f32 tile.
+            self.tiled::<8, _>(n, cols * n / 16, y, |t, wp, rk, tk| {
+                let (xq, xd, xs, xi) = (
+                    qa.codes[t * cols..].as_ptr(),
+                    qa.scales[t * nb..].as_ptr(),
+                    qa.sums[t * nb..].as_ptr(),
+                    qa.isums[t * nb..].as_ptr(),
+                );
+                // A lone leftover row goes through the same 8-lane code with all lanes on it
+                // (row stride 0), so its result has the same bits as inside a group of 8.
+                let stride_rows = if rk == 8 { rb } else { 0 };
+                // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (the caller
+                // checked `q8_available()`); `tiled` passes `rk` rows that exist (`nb` blocks
+                // each, `stride_rows` apart) and tokens t .. t + tk that exist in `qa`.
+                unsafe {
+                    match tk {
+                        TILE_T => x86_512::q8_rows8::<TILE_T>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
+                        3 => widen(x86_512::q8_rows8::<3>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                        2 => widen(x86_512::q8_rows8::<2>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                        _ => widen(x86_512::q8_rows8::<1>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                    }
+                }
+            });
+            return;
+        }
         // Integer products are ~4× cheaper than f32 ones: larger chunks per task.
-        self.tiled(n, cols * n / 4, y, |t, wp, rk, tk| {
+        self.tiled::<TILE_R, _>(n, cols * n / 4, y, |t, wp, rk, tk| {
             let (xq, xd, xs) = (qa.codes[t * cols..].as_ptr(), qa.scales[t * nb..].as_ptr(), qa.sums[t * nb..].as_ptr());
-            let rb = self.row_bytes();
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (the caller checked
             // `q8_available()`); `tiled` passes rows that exist (`nb` (sub-)blocks each) and
             // tokens t .. t + tk that exist in the quantized activations.
@@ -722,19 +756,20 @@ impl PackedMatrix {
     /// The loop structure shared by the AVX-512 kernels: rayon over row chunks (sized from
     /// `cost` as [`PackedMatrix::chunk_rows`]); inside a chunk, sub-chunks of ~32 KiB of packed
     /// rows stay in L1/L2 while every group of `TILE_T` tokens passes over them in register tiles
-    /// of `TILE_R` rows (leftover rows and tokens in 1-wide tiles, with the same per-element
-    /// arithmetic). `tile(t, rows_ptr, rk, tk)` returns the `rk × tk` dot products of rows
-    /// starting at `rows_ptr` with tokens `t ..`; they are written to `y[n, rows]`.
+    /// of `R` rows (leftover rows one at a time, and leftover tokens in narrower tiles, with the
+    /// same per-element arithmetic). `tile(t, rows_ptr, rk, tk)` returns the `rk × tk` dot
+    /// products of rows starting at `rows_ptr` with tokens `t ..` (`rk` is `R` or 1); they are
+    /// written to `y[n, rows]`.
     #[cfg(target_arch = "x86_64")]
-    fn tiled<F>(&self, n: usize, cost: usize, y: &mut [f32], tile: F)
+    fn tiled<const R: usize, F>(&self, n: usize, cost: usize, y: &mut [f32], tile: F)
     where
-        F: Fn(usize, *const u8, usize, usize) -> [[f32; TILE_T]; TILE_R] + Sync,
+        F: Fn(usize, *const u8, usize, usize) -> [[f32; TILE_T]; R] + Sync,
     {
         const SUB_BYTES: usize = 32 * 1024;
         let rows = self.rows;
         let row_bytes = self.row_bytes();
-        let chunk = self.chunk_rows(cost).next_multiple_of(TILE_R);
-        let sub = (SUB_BYTES / row_bytes.max(1)).max(TILE_R).next_multiple_of(TILE_R);
+        let chunk = self.chunk_rows(cost).next_multiple_of(R);
+        let sub = (SUB_BYTES / row_bytes.max(1)).max(R).next_multiple_of(R);
         let yp = SyncPtr(y.as_mut_ptr());
         (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
             let end = ((ci + 1) * chunk).min(rows);
@@ -748,7 +783,7 @@ impl PackedMatrix {
                     let tk = (n - t).min(TILE_T);
                     let mut r = s0;
                     while r < s1 {
-                        let rk = if s1 - r >= TILE_R { TILE_R } else { 1 };
+                        let rk = if s1 - r >= R { R } else { 1 };
                         let out = tile(t, self.data[r * row_bytes..].as_ptr(), rk, tk);
                         for (i, o) in out.iter().enumerate().take(rk) {
                             for (k, v) in o.iter().enumerate().take(tk) {

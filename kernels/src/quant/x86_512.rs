@@ -398,3 +398,177 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
         }
     }
 }
+
+/// Rows 0..8 of the 16 bytes at `p + r · row_bytes` as four vectors of 32-bit groups: vector
+/// `c` holds bytes `4c .. 4c + 4` of row `r` in lane `r` (an 8 × 4 transpose of 32-bit words).
+///
+/// # Safety
+/// AVX2; 16 readable bytes at `p + r · row_bytes` for r in 0..8.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn transpose8x4(p: *const u8, row_bytes: usize) -> [__m256i; 4] {
+    // SAFETY: the caller guarantees the 8 × 16 bytes.
+    unsafe {
+        let ld = |r: usize| _mm_loadu_si128(p.add(r * row_bytes) as *const __m128i);
+        let a0 = _mm256_set_m128i(ld(4), ld(0));
+        let a1 = _mm256_set_m128i(ld(5), ld(1));
+        let a2 = _mm256_set_m128i(ld(6), ld(2));
+        let a3 = _mm256_set_m128i(ld(7), ld(3));
+        let t0 = _mm256_unpacklo_epi32(a0, a1);
+        let t1 = _mm256_unpackhi_epi32(a0, a1);
+        let t2 = _mm256_unpacklo_epi32(a2, a3);
+        let t3 = _mm256_unpackhi_epi32(a2, a3);
+        [
+            _mm256_unpacklo_epi64(t0, t2),
+            _mm256_unpackhi_epi64(t0, t2),
+            _mm256_unpacklo_epi64(t1, t3),
+            _mm256_unpackhi_epi64(t1, t3),
+        ]
+    }
+}
+
+/// The first 4 bytes at `p + r · row_bytes` in lane `r`, r in 0..8.
+///
+/// # Safety
+/// AVX2; 16 readable bytes at `p + r · row_bytes` for r in 0..8.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn transpose8x1(p: *const u8, row_bytes: usize) -> __m256i {
+    // SAFETY: the caller guarantees the 8 × 16 bytes.
+    unsafe {
+        let ld = |r: usize| _mm_loadu_si128(p.add(r * row_bytes) as *const __m128i);
+        let t0 = _mm256_unpacklo_epi32(_mm256_set_m128i(ld(4), ld(0)), _mm256_set_m128i(ld(5), ld(1)));
+        let t2 = _mm256_unpacklo_epi32(_mm256_set_m128i(ld(6), ld(2)), _mm256_set_m128i(ld(7), ld(3)));
+        _mm256_unpacklo_epi64(t0, t2)
+    }
+}
+
+/// Dot products of 8 packed Q4_0 / Q4_1 / Q8_0 rows with `T` tokens of 8-bit activations, one
+/// row per 32-bit lane (the idea of llama.cpp's repacked `Q4_0_8x8` GEMV, done on the original
+/// block layout with an 8 × 4 transpose instead of a repacked copy): per block, the codes of
+/// the 8 rows are transposed so that each `vpdpbusd` multiplies 4 consecutive codes of every
+/// row with the same 4 activation codes (broadcast); the block's `f16` scales (and Q4_1 minima)
+/// of the 8 rows come in one transposed load and one conversion. Per row and block:
+///
+/// - Q4_1: `acc += (d·dx)·Σ q·qx`, then `acc += m·(dx·Σ qx)`;
+/// - Q4_0: `acc += (d·dx)·(Σ q·qx − 8·Σ qx)`;
+/// - Q8_0: `acc += (d·dx)·(Σ (q + 128)·qx − 128·Σ qx)` (`q + 128` is the unsigned byte `q ^ 0x80`).
+///
+/// The integer sums are exact, so the result is `Σ_b` of the same two roundings per block for
+/// every lane: a row gives the same bits in any lane, with any `T` and with any row stride
+/// (`row_bytes = 0` computes one row in all lanes: the leftover-row case).
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; 8 rows (spaced `row_bytes`, possibly 0) of `nb`
+/// blocks of `ty` at `rows`; `xq` holds `T` rows of `nb · 32` codes spaced `stride`; `xd`, `xs`,
+/// `xi` hold `T · nb` per-block scales, scaled sums and integer sums spaced `nb`; `ty` is Q4_0,
+/// Q4_1 or Q8_0.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q8_rows8<const T: usize>(
+    ty: BlockType,
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    stride: usize,
+) -> [[f32; T]; 8] {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match ty {
+            BlockType::Q4_0 => q8_rows8_t::<0, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
+            BlockType::Q4_1 => q8_rows8_t::<1, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
+            _ => q8_rows8_t::<2, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
+        }
+    }
+}
+
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    stride: usize,
+) -> [[f32; T]; 8] {
+    let bb = block_type::<TY>().block_bytes();
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        // SAFETY: b < nb: the 8 rows' block b and each token's block b are in bounds.
+        unsafe {
+            let blk = rows.add(b * bb);
+            // The next 8 rows (contiguous after these when `row_bytes` is the row size): one
+            // block's share of their bytes per block of these, ahead of the streamer.
+            let ahead = rows.add(8 * row_bytes + b * 8 * bb);
+            for l in (0..8 * bb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8);
+            }
+            // The first 4 bytes of each row's block: f16 d (and, for Q4_1, f16 m). (A
+            // `vpgatherdd` here was the kernel's bottleneck on Zen 4.)
+            let dm = transpose8x1(blk, row_bytes);
+            let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
+            // Weight groups g = 0..8 (weights 4g .. 4g + 4) of the 8 rows, unsigned codes.
+            let mut w = [_mm256_setzero_si256(); 8];
+            if TY == 2 {
+                let sign = _mm256_set1_epi8(-128);
+                let lo = transpose8x4(blk.add(2), row_bytes);
+                let hi = transpose8x4(blk.add(18), row_bytes);
+                for c in 0..4 {
+                    w[c] = _mm256_xor_si256(lo[c], sign);
+                    w[4 + c] = _mm256_xor_si256(hi[c], sign);
+                }
+            } else {
+                // Byte j of a Q4 block holds weight j (low nibble) and j + 16 (high nibble).
+                let v = transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
+                for c in 0..4 {
+                    w[c] = _mm256_and_si256(v[c], m4);
+                    w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
+                }
+            }
+            let m = if TY == 1 { _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16))) } else { d };
+            for k in 0..T {
+                let xb = xq.add(k * stride + b * BLOCK) as *const i32;
+                let bcast = |g: usize| _mm256_set1_epi32(xb.add(g).read_unaligned());
+                // Four independent chains (integer sums: the split does not change them).
+                let mut s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], bcast(0));
+                let mut s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], bcast(1));
+                let mut s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[2], bcast(2));
+                let mut s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[3], bcast(3));
+                s0 = _mm256_dpbusd_epi32(s0, w[4], bcast(4));
+                s1 = _mm256_dpbusd_epi32(s1, w[5], bcast(5));
+                s2 = _mm256_dpbusd_epi32(s2, w[6], bcast(6));
+                s3 = _mm256_dpbusd_epi32(s3, w[7], bcast(7));
+                let mut s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+                let i = k * nb + b;
+                if TY != 1 {
+                    let off = if TY == 0 { 8 } else { 128 };
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(off * *xi.add(i)));
+                }
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xd.add(i)));
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[k]);
+                if TY == 1 {
+                    acc[k] = _mm256_fmadd_ps(m, _mm256_set1_ps(*xs.add(i)), acc[k]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; 8];
+    for k in 0..T {
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: 8 f32 of stack memory.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]) };
+        for r in 0..8 {
+            out[r][k] = lanes[r];
+        }
+    }
+    out
+}
