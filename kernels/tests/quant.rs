@@ -209,11 +209,26 @@ fn bad_inputs_are_errors() {
     assert!(m.matmul(&[0.0; 32], 1, &mut y).is_ok());
 }
 
+/// The instruction sets `matmul_q8_with` runs on here.
+fn q8_isas() -> Vec<Isa> {
+    let mut v = Vec::new();
+    if q8_available() {
+        let mut y = [0.0f32; 1];
+        let m = PackedMatrix::new(BlockType::Q8_0, 1, 32, vec![0; 34]).expect("ok");
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            if m.matmul_q8_with(&[0.0; 32], 1, &mut y, isa).is_ok() {
+                v.push(isa);
+            }
+        }
+    }
+    v
+}
+
 /// `matmul_q8` against two f64 references: (a) the dequantized weights times the *dequantized*
 /// 8-bit activations (`q · d`), tight bound `1e-5 · Σ|w·x̂| + 1e-6` (checks the integer
 /// arithmetic, offsets and scales); (b) the exact activations, bound `Σ_b (d_b / 2) · Σ_{i∈b}
 /// |w_i|` from the activation rounding plus the f32 term. Also batch invariance.
-fn check_q8(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64) -> Result<(), TestCaseError> {
+fn check_q8(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64, isa: Isa) -> Result<(), TestCaseError> {
     let w = values(seed, rows * cols, 0.5);
     let x = values(seed ^ 0xABCD, n * cols, 2.0);
     let packed = quantize(ty, &w);
@@ -221,11 +236,26 @@ fn check_q8(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64) -> Res
     let m = PackedMatrix::new(ty, rows, cols, packed).expect("packed");
     let qa = QuantizedActivations::quantize(&x, n, cols).expect("quantize x");
     let mut y = vec![f32::NAN; n * rows];
-    m.matmul_q8(&x, n, &mut y).expect("matmul_q8");
+    m.matmul_q8_with(&x, n, &mut y, isa).expect("matmul_q8");
     let t = n / 2;
     let mut y1 = vec![f32::NAN; rows];
-    m.matmul_q8(&x[t * cols..(t + 1) * cols], 1, &mut y1).expect("matmul_q8");
+    m.matmul_q8_with(&x[t * cols..(t + 1) * cols], 1, &mut y1, isa).expect("matmul_q8");
     prop_assert_eq!(&y1[..], &y[t * rows..(t + 1) * rows], "token {} alone differs", t);
+    // The AVX2 integer kernels of Q4_0 / Q4_1 / Q8_0 compute the same integer block sums and
+    // the same float operations as the VNNI ones: the same bits.
+    if isa == Isa::Avx2 && q8_isas().contains(&Isa::Avx512) && matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0) {
+        let mut yv = vec![f32::NAN; n * rows];
+        m.matmul_q8_with(&x, n, &mut yv, Isa::Avx512).expect("matmul_q8 vnni");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&y), bits(&yv), "{:?}: AVX2 and VNNI kernels differ", ty);
+    }
+    if isa == Isa::Avx2 && !matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0) {
+        // No AVX2 integer kernel for this type: the f32-activation path.
+        let mut yf = vec![f32::NAN; n * rows];
+        m.matmul_with(&x, n, &mut yf, Isa::Avx2).expect("matmul f32");
+        prop_assert_eq!(&y, &yf);
+        return Ok(());
+    }
     for t in 0..n {
         for r in 0..rows {
             let (mut deq, mut deq_mag, mut exact, mut bound) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
@@ -258,8 +288,8 @@ proptest! {
         n in prop_oneof![1usize..=9, 60usize..=66],
         seed in any::<u64>(),
     ) {
-        if q8_available() {
-            check_q8(ty, rows, cols_for(ty, blocks), n, seed)?;
+        for isa in q8_isas() {
+            check_q8(ty, rows, cols_for(ty, blocks), n, seed, isa)?;
         }
     }
 

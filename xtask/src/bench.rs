@@ -141,6 +141,8 @@ pub struct GenerateOptions {
     pub no_docs: bool,
     /// Use this deco binary instead of building `deco-cli` in release mode.
     pub deco_bin: Option<PathBuf>,
+    /// Run deco with `--q8-activations`.
+    pub q8_activations: bool,
 }
 
 impl GenerateOptions {
@@ -163,6 +165,9 @@ impl GenerateOptions {
         }
         if self.skip_llama {
             s.push_str(" --skip-llama");
+        }
+        if self.q8_activations {
+            s.push_str(" --q8-activations");
         }
         s
     }
@@ -986,14 +991,18 @@ pub fn render_markdown(
         "SmolLM2-135M-Instruct, {} threads for both engines, a prompt of {} tokens (one prefill), \
          then {} greedy decode steps (EOS ignored); llama.cpp is {LLAMA_CPP_PYTHON} (vendored \
          llama.cpp, `xtask/scripts/llama_bench.py`, one unmeasured warm-up per run), deco is \
-         `deco generate` (one unmeasured warm-up run per file). Engines and types are \
+         `deco generate`{} (one unmeasured warm-up run per file). Engines and types are \
          interleaved in each repeat. The \
          Q8_0 and F32 files are made from the Q4_1 file by `deco quantize` (Q8_0: the dequantized \
          Q4_1 linears requantized with ggml's Q8_0 quantizer; F32: every quantized tensor \
          dequantized), so all three hold the same network up to Q8_0 rounding; the tied token \
          embedding / LM head stays Q8_0 in the Q4_1 and Q8_0 files. tok/s as min / **median** / \
          max over {} repeat(s).\n\n",
-        o.threads, o.prompt_tokens, o.decode_tokens, o.repeats
+        o.threads,
+        o.prompt_tokens,
+        o.decode_tokens,
+        if o.q8_activations { " --q8-activations (8-bit activations, integer dot products, as llama.cpp)" } else { " (f32 activations)" },
+        o.repeats
     ));
     s.push_str("| type | engine | prefill tok/s | decode tok/s |\n|---|---|---|---|\n");
     for r in results {
@@ -1306,6 +1315,7 @@ fn run_deco(bin: &Path, model: &Path, prompt: &str, o: &GenerateOptions) -> Resu
         .args(["--max-new-tokens", &o.decode_tokens.to_string()])
         .args(["--temperature", "0"])
         .args(["--threads", &o.threads.to_string()])
+        .args(o.q8_activations.then_some("--q8-activations"))
         .stdout(Stdio::null());
     let out = cmd
         .output()
@@ -1382,6 +1392,7 @@ mod tests {
             skip_llama: false,
             no_docs: true,
             deco_bin: None,
+            q8_activations: false,
         }
     }
 

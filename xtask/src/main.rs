@@ -384,6 +384,10 @@ enum BenchCmd {
         /// Use this deco binary instead of building deco-cli (release).
         #[arg(long, value_name = "PATH")]
         deco_bin: Option<PathBuf>,
+        /// Run deco with `--q8-activations` (8-bit activations and integer dot products in
+        /// the packed matmuls, as llama.cpp; needs AVX2).
+        #[arg(long)]
+        q8_activations: bool,
     },
     /// Pruning on SmolLM2-135M (magnitude / Wanda / SparseGPT, structured): perplexity, size,
     /// speed; updates docs/compression.md.
@@ -641,6 +645,7 @@ fn real_main() -> Result<()> {
                     skip_llama,
                     no_docs,
                     deco_bin,
+                    q8_activations,
                 },
         } => bench::generate(&bench::GenerateOptions {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
@@ -654,6 +659,7 @@ fn real_main() -> Result<()> {
             skip_llama,
             no_docs,
             deco_bin,
+            q8_activations,
         }),
         Cmd::Bench {
             which:

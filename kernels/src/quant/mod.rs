@@ -31,8 +31,8 @@
 //!
 //! - [`PackedMatrix::matmul_q8`] (opt-in, [`set_activation_precision`]): the activations are
 //!   quantized to 8 bits per block of 32 ([`QuantizedActivations`], llama.cpp's `block_q8_0`
-//!   idea) and multiplied with integer dot products (AVX-512 VNNI `vpdpbusd`), as llama.cpp
-//!   does. Q4_0 / Q4_1 / Q8_0 go 8 rows at a time, one row per 32-bit lane (codes transposed
+//!   idea) and multiplied with integer dot products (AVX-512 VNNI `vpdpbusd`, or AVX2
+//!   `vpmaddubsw` for Q4_0 / Q4_1 / Q8_0), as llama.cpp does. Q4_0 / Q4_1 / Q8_0 go 8 rows at a time, one row per 32-bit lane (codes transposed
 //!   in registers, the next rows prefetched), which makes single-token decode bound by memory
 //!   bandwidth; about 2× faster than the f32 path at one token, but each activation carries a
 //!   rounding error of up to `max|x_block| / 254`, so logits move by ~1e-2 instead of ~1e-6;
@@ -241,7 +241,7 @@ pub enum ActivationPrecision {
     /// activations up to f32 rounding (the default; what the golden-logit tests check).
     F32,
     /// Activations quantized to 8 bits per block of 32 ([`QuantizedActivations`]) and integer
-    /// dot products, as llama.cpp: faster, less accurate. Needs AVX-512 VNNI.
+    /// dot products, as llama.cpp: faster, less accurate. Needs AVX2 ([`q8_available`]).
     Q8,
 }
 
@@ -250,12 +250,12 @@ static ACTIVATION_Q8: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicB
 /// Sets the activation precision of every later [`PackedMatrix::matmul`] in this process.
 ///
 /// # Errors
-/// [`Error::Unsupported`] for [`ActivationPrecision::Q8`] on a CPU without AVX-512 VNNI (the
-/// setting is then unchanged).
+/// [`Error::Unsupported`] for [`ActivationPrecision::Q8`] on a CPU without AVX2 (see
+/// [`q8_available`]; the setting is then unchanged).
 pub fn set_activation_precision(p: ActivationPrecision) -> Result<()> {
     if p == ActivationPrecision::Q8 && !q8_available() {
         return Err(Error::Unsupported(
-            "8-bit activations need a CPU with AVX-512 F/BW/VL/VNNI (and AVX2, FMA, F16C); this one lacks them".into(),
+            "8-bit activations need an x86-64 CPU with AVX2, FMA and F16C (integer kernels for every type with AVX-512 VNNI); this one lacks them".into(),
         ));
     }
     ACTIVATION_Q8.store(p == ActivationPrecision::Q8, std::sync::atomic::Ordering::Relaxed);
@@ -267,16 +267,28 @@ pub fn activation_precision() -> ActivationPrecision {
     if ACTIVATION_Q8.load(std::sync::atomic::Ordering::Relaxed) { ActivationPrecision::Q8 } else { ActivationPrecision::F32 }
 }
 
-/// Whether this CPU can run [`PackedMatrix::matmul_q8`] (AVX-512 F/BW/VL/VNNI + AVX2/FMA/F16C;
-/// `DECO_KERNELS=avx2` or `scalar` also turn it off).
+/// Whether this CPU can run [`PackedMatrix::matmul_q8`]: AVX-512 F/BW/VL/VNNI (integer kernels
+/// for every block type) or AVX2 + FMA + F16C (integer kernels for Q4_0, Q4_1 and Q8_0; the
+/// other types keep f32 activations there). `DECO_KERNELS=scalar` turns it off,
+/// `DECO_KERNELS=avx2` selects the AVX2 kernels.
 pub fn q8_available() -> bool {
+    q8_isa().is_some()
+}
+
+/// The instruction set of the 8-bit-activation kernels: [`Isa::Avx512`] with VNNI, else
+/// [`Isa::Avx2`], else none.
+fn q8_isa() -> Option<Isa> {
     #[cfg(target_arch = "x86_64")]
     {
-        Isa::detect() == Isa::Avx512 && is_x86_feature_detected!("avx512vnni")
+        match Isa::detect() {
+            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Some(Isa::Avx512),
+            Isa::Avx512 | Isa::Avx2 => Some(Isa::Avx2),
+            Isa::Scalar => None,
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        None
     }
 }
 
@@ -512,25 +524,49 @@ impl PackedMatrix {
     }
 
     /// `y[n, rows] = q8(x)[n, cols] · Wᵀ`: the activations quantized per token and block of 32
-    /// ([`QuantizedActivations`]), integer dot products with AVX-512 VNNI, f32 block scaling
-    /// and accumulation (llama.cpp's `ggml_vec_dot_q4_1_q8_1` and siblings). Batch-invariant,
-    /// multithreaded and tiled as the AVX-512 f32 path.
+    /// ([`QuantizedActivations`]), integer dot products, f32 block scaling and accumulation
+    /// (llama.cpp's `ggml_vec_dot_q4_1_q8_1` and siblings). Batch-invariant, multithreaded and
+    /// tiled as the f32 path. Runs on the best of [`PackedMatrix::matmul_q8_with`]'s
+    /// instruction sets this CPU has ([`q8_available`]).
     ///
     /// Error bound per output: `Σ_b (d_b / 2) · Σ_{i∈b} |w_i|` from the activation rounding
     /// (`d_b` the block's activation scale) plus f32 rounding.
     ///
     /// # Errors
-    /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] without AVX-512
-    /// VNNI ([`q8_available`]).
+    /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] without AVX2
+    /// ([`q8_available`]).
     pub fn matmul_q8(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
+        let isa = q8_isa().ok_or_else(|| Error::Unsupported("matmul_q8 needs AVX2 (see q8_available)".into()))?;
+        self.matmul_q8_with(x, n, y, isa)
+    }
+
+    /// [`PackedMatrix::matmul_q8`] on an explicit instruction set:
+    /// - [`Isa::Avx512`] (needs AVX-512 VNNI): `vpdpbusd`; Q4_0, Q4_1 and Q8_0 8 rows at a time
+    ///   (one row per 32-bit lane), the other types in tiles of 4 rows × 4 tokens;
+    /// - [`Isa::Avx2`]: `vpmaddubsw` for Q4_0, Q4_1 and Q8_0, with the same bits as the VNNI
+    ///   kernel; Q4_K, Q5_0 and Q6_K have no AVX2 integer kernel and run the f32-activation
+    ///   [`PackedMatrix::matmul_with`] instead.
+    ///
+    /// # Errors
+    /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] for
+    /// [`Isa::Scalar`] or an instruction set this CPU lacks.
+    pub fn matmul_q8_with(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) -> Result<()> {
         if x.len() != n * self.cols {
             return Err(Error::Length { what: "x", expected: n * self.cols, actual: x.len() });
         }
         if y.len() != n * self.rows {
             return Err(Error::Length { what: "y", expected: n * self.rows, actual: y.len() });
         }
-        if !q8_available() {
-            return Err(Error::Unsupported("matmul_q8 needs AVX-512 VNNI (see q8_available)".into()));
+        #[cfg(target_arch = "x86_64")]
+        let ok = match isa {
+            Isa::Avx512 => q8_isa() == Some(Isa::Avx512),
+            Isa::Avx2 => q8_isa().is_some(),
+            Isa::Scalar => false,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let ok = false;
+        if !ok {
+            return Err(Error::Unsupported(format!("matmul_q8 on {isa:?}: this CPU lacks it (see q8_available)")));
         }
         if n == 0 || self.rows == 0 {
             return Ok(());
@@ -539,9 +575,14 @@ impl PackedMatrix {
             y.fill(0.0);
             return Ok(());
         }
+        let rows8 = matches!(self.ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0);
+        if isa == Isa::Avx2 && !rows8 {
+            self.matmul_fused(x, n, y, Isa::Avx2);
+            return Ok(());
+        }
         let qa = QuantizedActivations::quantize(x, n, self.cols)?;
         #[cfg(target_arch = "x86_64")]
-        self.matmul_tiled_q8(&qa, n, y);
+        self.matmul_tiled_q8(&qa, n, y, isa == Isa::Avx512);
         Ok(())
     }
 
@@ -698,11 +739,11 @@ impl PackedMatrix {
         });
     }
 
-    /// The VNNI path of [`PackedMatrix::matmul_q8`]: 8-bit activations; Q4_0, Q4_1 and Q8_0
-    /// through `x86_512::q8_rows8` (8 rows per vector, one lane per row), the other types
-    /// through `x86_512::q8_tile`.
+    /// The integer paths of [`PackedMatrix::matmul_q8_with`]: Q4_0, Q4_1 and Q8_0 through
+    /// `x86_512::q8_rows8` (`vnni`) or `x86::q8_rows8` (8 rows per vector, one lane per row),
+    /// the other types through `x86_512::q8_tile` (`vnni` only).
     #[cfg(target_arch = "x86_64")]
-    fn matmul_tiled_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32]) {
+    fn matmul_tiled_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32], vnni: bool) {
         let (cols, ty) = (self.cols, self.ty);
         let nb = cols / BLOCK;
         let rb = self.row_bytes();
@@ -718,15 +759,20 @@ impl PackedMatrix {
                 // A lone leftover row goes through the same 8-lane code with all lanes on it
                 // (row stride 0), so its result has the same bits as inside a group of 8.
                 let stride_rows = if rk == 8 { rb } else { 0 };
-                // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (the caller
-                // checked `q8_available()`); `tiled` passes `rk` rows that exist (`nb` blocks
-                // each, `stride_rows` apart) and tokens t .. t + tk that exist in `qa`.
+                // SAFETY: AVX2, FMA and F16C, and with `vnni` AVX-512 F/BW/VL/VNNI, were
+                // detected (`matmul_q8_with` checked `q8_isa()`); `tiled` passes `rk` rows that
+                // exist (`nb` blocks each, `stride_rows` apart) and tokens t .. t + tk that
+                // exist in `qa`.
                 unsafe {
-                    match tk {
-                        TILE_T => x86_512::q8_rows8::<TILE_T>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
-                        3 => widen(x86_512::q8_rows8::<3>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
-                        2 => widen(x86_512::q8_rows8::<2>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
-                        _ => widen(x86_512::q8_rows8::<1>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                    match (vnni, tk) {
+                        (true, TILE_T) => x86_512::q8_rows8::<TILE_T>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
+                        (true, 3) => widen(x86_512::q8_rows8::<3>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                        (true, 2) => widen(x86_512::q8_rows8::<2>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                        (true, _) => widen(x86_512::q8_rows8::<1>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                        (false, TILE_T) => x86::q8_rows8::<TILE_T>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
+                        (false, 3) => widen(x86::q8_rows8::<3>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                        (false, 2) => widen(x86::q8_rows8::<2>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+                        (false, _) => widen(x86::q8_rows8::<1>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
                     }
                 }
             });

@@ -374,3 +374,186 @@ mod tests {
         }
     }
 }
+
+/// Rows 0..8 of the 16 bytes at `p + r · row_bytes` as four vectors of 32-bit groups: vector
+/// `c` holds bytes `4c .. 4c + 4` of row `r` in lane `r` (an 8 × 4 transpose of 32-bit words).
+///
+/// # Safety
+/// AVX2; 16 readable bytes at `p + r · row_bytes` for r in 0..8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn transpose8x4(p: *const u8, row_bytes: usize) -> [__m256i; 4] {
+    // SAFETY: the caller guarantees the 8 × 16 bytes.
+    unsafe {
+        let ld = |r: usize| _mm_loadu_si128(p.add(r * row_bytes) as *const __m128i);
+        let a0 = _mm256_set_m128i(ld(4), ld(0));
+        let a1 = _mm256_set_m128i(ld(5), ld(1));
+        let a2 = _mm256_set_m128i(ld(6), ld(2));
+        let a3 = _mm256_set_m128i(ld(7), ld(3));
+        let t0 = _mm256_unpacklo_epi32(a0, a1);
+        let t1 = _mm256_unpackhi_epi32(a0, a1);
+        let t2 = _mm256_unpacklo_epi32(a2, a3);
+        let t3 = _mm256_unpackhi_epi32(a2, a3);
+        [
+            _mm256_unpacklo_epi64(t0, t2),
+            _mm256_unpackhi_epi64(t0, t2),
+            _mm256_unpacklo_epi64(t1, t3),
+            _mm256_unpackhi_epi64(t1, t3),
+        ]
+    }
+}
+
+/// The first 4 bytes at `p + r · row_bytes` in lane `r`, r in 0..8.
+///
+/// # Safety
+/// AVX2; 16 readable bytes at `p + r · row_bytes` for r in 0..8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn transpose8x1(p: *const u8, row_bytes: usize) -> __m256i {
+    // SAFETY: the caller guarantees the 8 × 16 bytes.
+    unsafe {
+        let ld = |r: usize| _mm_loadu_si128(p.add(r * row_bytes) as *const __m128i);
+        let t0 = _mm256_unpacklo_epi32(_mm256_set_m128i(ld(4), ld(0)), _mm256_set_m128i(ld(5), ld(1)));
+        let t2 = _mm256_unpacklo_epi32(_mm256_set_m128i(ld(6), ld(2)), _mm256_set_m128i(ld(7), ld(3)));
+        _mm256_unpacklo_epi64(t0, t2)
+    }
+}
+
+/// The AVX2 twin of `x86_512::q8_rows8` (same arguments, same contract minus VNNI) for CPUs
+/// without AVX-512 VNNI: `vpmaddubsw` + `vpmaddwd` instead of `vpdpbusd`, as ggml's AVX2
+/// `mul_sum_us8_pairs_float`. Q4 codes (0..15) times activation codes (|qx| ≤ 127) summed over
+/// the 8 groups stay within i16 (8 · 2 · 15 · 127 = 30,480), so they are added in 16 bits
+/// before one widening; Q8_0 uses ggml's sign trick (`|q|` times `sign(q)·qx`, each pair
+/// ≤ 32,512) and widens per group. The integer block sums are the exact values the VNNI kernel
+/// computes and the float operations after them are the same, so both kernels give the same
+/// bits.
+///
+/// # Safety
+/// AVX2, FMA and F16C; otherwise as `x86_512::q8_rows8`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q8_rows8<const T: usize>(
+    ty: BlockType,
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    stride: usize,
+) -> [[f32; T]; 8] {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match ty {
+            BlockType::Q4_0 => q8_rows8_t::<0, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
+            BlockType::Q4_1 => q8_rows8_t::<1, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
+            _ => q8_rows8_t::<2, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
+        }
+    }
+}
+
+/// The 8 f16 in the low (`HI = false`) or high halves of the 32-bit lanes of `v`, as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn halves_to_f32<const HI: bool>(v: __m256i) -> __m256 {
+    let pick = if HI {
+        _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+    } else {
+        _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)
+    };
+    // 64-bit words 0 and 2 hold the 4 + 4 halves.
+    let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_shuffle_epi8(v, pick));
+    _mm256_cvtph_ps(_mm256_castsi256_si128(packed))
+}
+
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    stride: usize,
+) -> [[f32; T]; 8] {
+    let bb = match TY {
+        0 => BlockType::Q4_0,
+        1 => BlockType::Q4_1,
+        _ => BlockType::Q8_0,
+    }
+    .block_bytes();
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        // SAFETY: b < nb: the 8 rows' block b and each token's block b are in bounds.
+        unsafe {
+            let blk = rows.add(b * bb);
+            let ahead = rows.add(8 * row_bytes + b * 8 * bb);
+            for l in (0..8 * bb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8);
+            }
+            let dm = transpose8x1(blk, row_bytes);
+            let d = halves_to_f32::<false>(dm);
+            let mut w = [_mm256_setzero_si256(); 8];
+            if TY == 2 {
+                let lo = transpose8x4(blk.add(2), row_bytes);
+                let hi = transpose8x4(blk.add(18), row_bytes);
+                w[..4].copy_from_slice(&lo);
+                w[4..].copy_from_slice(&hi);
+            } else {
+                let v = transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
+                for c in 0..4 {
+                    w[c] = _mm256_and_si256(v[c], m4);
+                    w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
+                }
+            }
+            let m = if TY == 1 { halves_to_f32::<true>(dm) } else { d };
+            for k in 0..T {
+                let xb = xq.add(k * stride + b * BLOCK) as *const i32;
+                let bcast = |g: usize| _mm256_set1_epi32(xb.add(g).read_unaligned());
+                let mut s = if TY == 2 {
+                    let pair = |g: usize| {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[g]), _mm256_sign_epi8(bcast(g), w[g])), ones)
+                    };
+                    let s01 = _mm256_add_epi32(pair(0), pair(1));
+                    let s23 = _mm256_add_epi32(pair(2), pair(3));
+                    let s45 = _mm256_add_epi32(pair(4), pair(5));
+                    let s67 = _mm256_add_epi32(pair(6), pair(7));
+                    _mm256_add_epi32(_mm256_add_epi32(s01, s23), _mm256_add_epi32(s45, s67))
+                } else {
+                    let p = |g: usize| _mm256_maddubs_epi16(w[g], bcast(g));
+                    let s01 = _mm256_add_epi16(p(0), p(1));
+                    let s23 = _mm256_add_epi16(p(2), p(3));
+                    let s45 = _mm256_add_epi16(p(4), p(5));
+                    let s67 = _mm256_add_epi16(p(6), p(7));
+                    let s16 = _mm256_add_epi16(_mm256_add_epi16(s01, s23), _mm256_add_epi16(s45, s67));
+                    _mm256_madd_epi16(s16, ones)
+                };
+                let i = k * nb + b;
+                if TY == 0 {
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * *xi.add(i)));
+                }
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xd.add(i)));
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[k]);
+                if TY == 1 {
+                    acc[k] = _mm256_fmadd_ps(m, _mm256_set1_ps(*xs.add(i)), acc[k]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; 8];
+    for k in 0..T {
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: 8 f32 of stack memory.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]) };
+        for r in 0..8 {
+            out[r][k] = lanes[r];
+        }
+    }
+    out
+}

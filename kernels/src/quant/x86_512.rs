@@ -399,50 +399,6 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
     }
 }
 
-/// Rows 0..8 of the 16 bytes at `p + r · row_bytes` as four vectors of 32-bit groups: vector
-/// `c` holds bytes `4c .. 4c + 4` of row `r` in lane `r` (an 8 × 4 transpose of 32-bit words).
-///
-/// # Safety
-/// AVX2; 16 readable bytes at `p + r · row_bytes` for r in 0..8.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn transpose8x4(p: *const u8, row_bytes: usize) -> [__m256i; 4] {
-    // SAFETY: the caller guarantees the 8 × 16 bytes.
-    unsafe {
-        let ld = |r: usize| _mm_loadu_si128(p.add(r * row_bytes) as *const __m128i);
-        let a0 = _mm256_set_m128i(ld(4), ld(0));
-        let a1 = _mm256_set_m128i(ld(5), ld(1));
-        let a2 = _mm256_set_m128i(ld(6), ld(2));
-        let a3 = _mm256_set_m128i(ld(7), ld(3));
-        let t0 = _mm256_unpacklo_epi32(a0, a1);
-        let t1 = _mm256_unpackhi_epi32(a0, a1);
-        let t2 = _mm256_unpacklo_epi32(a2, a3);
-        let t3 = _mm256_unpackhi_epi32(a2, a3);
-        [
-            _mm256_unpacklo_epi64(t0, t2),
-            _mm256_unpackhi_epi64(t0, t2),
-            _mm256_unpacklo_epi64(t1, t3),
-            _mm256_unpackhi_epi64(t1, t3),
-        ]
-    }
-}
-
-/// The first 4 bytes at `p + r · row_bytes` in lane `r`, r in 0..8.
-///
-/// # Safety
-/// AVX2; 16 readable bytes at `p + r · row_bytes` for r in 0..8.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn transpose8x1(p: *const u8, row_bytes: usize) -> __m256i {
-    // SAFETY: the caller guarantees the 8 × 16 bytes.
-    unsafe {
-        let ld = |r: usize| _mm_loadu_si128(p.add(r * row_bytes) as *const __m128i);
-        let t0 = _mm256_unpacklo_epi32(_mm256_set_m128i(ld(4), ld(0)), _mm256_set_m128i(ld(5), ld(1)));
-        let t2 = _mm256_unpacklo_epi32(_mm256_set_m128i(ld(6), ld(2)), _mm256_set_m128i(ld(7), ld(3)));
-        _mm256_unpacklo_epi64(t0, t2)
-    }
-}
-
 /// Dot products of 8 packed Q4_0 / Q4_1 / Q8_0 rows with `T` tokens of 8-bit activations, one
 /// row per 32-bit lane (the idea of llama.cpp's repacked `Q4_0_8x8` GEMV, done on the original
 /// block layout with an 8 × 4 transpose instead of a repacked copy): per block, the codes of
@@ -514,21 +470,21 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
             }
             // The first 4 bytes of each row's block: f16 d (and, for Q4_1, f16 m). (A
             // `vpgatherdd` here was the kernel's bottleneck on Zen 4.)
-            let dm = transpose8x1(blk, row_bytes);
+            let dm = super::x86::transpose8x1(blk, row_bytes);
             let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
             // Weight groups g = 0..8 (weights 4g .. 4g + 4) of the 8 rows, unsigned codes.
             let mut w = [_mm256_setzero_si256(); 8];
             if TY == 2 {
                 let sign = _mm256_set1_epi8(-128);
-                let lo = transpose8x4(blk.add(2), row_bytes);
-                let hi = transpose8x4(blk.add(18), row_bytes);
+                let lo = super::x86::transpose8x4(blk.add(2), row_bytes);
+                let hi = super::x86::transpose8x4(blk.add(18), row_bytes);
                 for c in 0..4 {
                     w[c] = _mm256_xor_si256(lo[c], sign);
                     w[4 + c] = _mm256_xor_si256(hi[c], sign);
                 }
             } else {
                 // Byte j of a Q4 block holds weight j (low nibble) and j + 16 (high nibble).
-                let v = transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
+                let v = super::x86::transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
                 for c in 0..4 {
                     w[c] = _mm256_and_si256(v[c], m4);
                     w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
