@@ -449,6 +449,18 @@ mod x86 {
                 }
                 let last = offs[t - 1];
                 offs[t..t8].fill(last);
+                // The next tile's key and value rows, ahead of use: a sequence's blocks are
+                // scattered, so the hardware prefetcher loses the stream at every block edge,
+                // and a long cache does not fit in L3 (30 layers × 1,000 positions of SmolLM2
+                // are 46 MB of f32 keys and values).
+                let pn = p0 + t;
+                for p in pn..pos.end.min(pn + TILE) {
+                    let off = row_offset(s, p, row) + kvo;
+                    for l in (0..d).step_by(16) {
+                        _mm_prefetch::<_MM_HINT_T0>(kp.add(off + l) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(vp.add(off + l) as *const i8);
+                    }
+                }
                 for (h, mh) in m.iter_mut().enumerate() {
                     let qh = qs.as_ptr().add(h * d);
                     // Scores of 8 positions at a time, one reduction for the 8.
