@@ -106,6 +106,43 @@ fn kv_cache_incremental_equals_full_recompute() {
     eprintln!("{} positions, worst |incremental - full| = {worst:.3e}", tokens.len());
 }
 
+/// Prefill and decode attention are the same fused kernel (a prefill token is a decode query
+/// over the first `past + j + 1` positions) and the packed matmul is batch-invariant, so a
+/// token's logits do not depend on how the sequence was cut into forwards: bit for bit.
+#[test]
+fn incremental_logits_equal_full_recompute_bit_for_bit() {
+    let g = golden();
+    let m = model();
+    let mut tokens = ids(&g.prompts[2]["ids"]);
+    tokens.extend(ids(&g.prompts[2]["greedy_continuation_ids"]));
+    let logits = |chunks: &[usize]| {
+        let mut cache = DenseKvCache::new(m.config.num_hidden_layers);
+        let (mut rows, mut pos) = (Vec::new(), 0);
+        for &c in chunks.iter().chain(std::iter::repeat(&1)) {
+            if pos >= tokens.len() {
+                break;
+            }
+            let end = (pos + c).min(tokens.len());
+            let out = m
+                .forward(&[SeqInput { seq: 3, tokens: &tokens[pos..end], tree: None }], &mut cache, LogitsWanted::All)
+                .expect("forward")
+                .logits_rows()
+                .expect("logits");
+            rows.extend(out.into_iter().map(|r| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>()));
+            pos = end;
+        }
+        rows
+    };
+    let full = logits(&[tokens.len()]);
+    for cut in [&[5usize, 3][..], &[1], &[17, 2, 9]] {
+        let inc = logits(cut);
+        assert_eq!(inc.len(), full.len());
+        for (p, (a, b)) in inc.iter().zip(&full).enumerate() {
+            assert!(a == b, "chunks {cut:?}: position {p} differs from the full forward");
+        }
+    }
+}
+
 #[test]
 fn batched_ragged_forward_equals_single_sequence_forward() {
     let g = golden();

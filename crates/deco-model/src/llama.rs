@@ -573,7 +573,7 @@ impl Llama {
         let (heads, hd) = (cfg.num_attention_heads, cfg.head_dim);
         let qrow = heads * hd;
         let decode: Vec<usize> = (0..batch.spans.len()).filter(|&i| batch.spans[i].len == 1).collect();
-        let prefill_out = multi_token_attention(li, &q, &k, &v, batch, inputs, cache)?;
+        let prefill_out = multi_token_attention(li, &q, &k, &v, batch, inputs, cache, &|i| batch.spans[i].len != 1)?;
         for &i in &decode {
             let sp = &batch.spans[i];
             cache.append_device(li, inputs[i].seq, batch.rows(&k, sp), batch.rows(&v, sp))?;
@@ -604,15 +604,18 @@ impl Llama {
         let out = deco_kernels::cube::paged_decode_attention(qd, kc, vc, &seqs)
             .map_err(|e| Error::InvalidInput(format!("paged decode attention: {e}")))?
             .reshape([decode.len(), qrow]);
-        Ok(interleave(prefill_out, out))
+        Ok(interleave(prefill_out, &batch.spans, Some(out)))
     }
 
-    /// Attention of layer `li` with the fused CPU decode kernel for the sequences with one new
-    /// token and the burn path for the others; `[tokens, heads * head_dim]` in batch order.
+    /// Attention of layer `li` with the fused CPU kernel for every sequence except token trees
+    /// (which take the burn path); `[tokens, heads * head_dim]` in batch order.
     ///
-    /// The one-token sequences' keys and values go to the cache with [`KvCache::append_host`]
-    /// (the same positions [`KvCache::append`] would write), then one
-    /// [`paged_decode_attention`] call reads every such sequence's cache in place.
+    /// The sequences' new keys and values go to the cache with [`KvCache::append_host`] (the
+    /// same positions [`KvCache::append`] would write), then one [`paged_decode_attention`] call
+    /// reads the caches in place, with one query row per new token: new token `j` of a sequence
+    /// with `past` cached positions attends to the first `past + j + 1` (causal attention as a
+    /// batch of decode queries of growing length). A prefill token therefore gets the same bits
+    /// as the same token decoded alone.
     #[allow(clippy::too_many_arguments)]
     fn attention_fused(
         &self,
@@ -627,34 +630,46 @@ impl Llama {
         let cfg = &self.config;
         let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let (qrow, kvrow) = (heads * hd, kvh * hd);
-        let decode: Vec<usize> = (0..batch.spans.len()).filter(|&i| batch.spans[i].len == 1).collect();
-        let all_decode = decode.len() == batch.spans.len();
-        let prefill_out = multi_token_attention(li, &q, &k, &v, batch, inputs, cache)?;
+        let fused: Vec<bool> = inputs.iter().zip(&batch.spans).map(|(inp, sp)| !is_tree(inp, sp)).collect();
+        let burn_out = multi_token_attention(li, &q, &k, &v, batch, inputs, cache, &|i| !fused[i])?;
+        if !fused.contains(&true) {
+            return Ok(interleave(burn_out, &batch.spans, None));
+        }
+        let all_fused = !fused.contains(&false);
         let (qh, kh, vh) = (to_host(q)?, to_host(k)?, to_host(v)?);
-        for &i in &decode {
-            let r = batch.spans[i].start;
-            cache.append_host(li, inputs[i].seq, &kh[r * kvrow..(r + 1) * kvrow], &vh[r * kvrow..(r + 1) * kvrow], kvh, hd)?;
+        for (i, sp) in batch.spans.iter().enumerate().filter(|&(i, _)| fused[i]) {
+            let rows = sp.start * kvrow..(sp.start + sp.len) * kvrow;
+            cache.append_host(li, inputs[i].seq, &kh[rows.clone()], &vh[rows], kvh, hd)?;
         }
         let cache = &*cache;
-        let views = decode
-            .iter()
-            .map(|&i| {
-                let (seq, len) = (inputs[i].seq, batch.spans[i].past + 1);
-                cache
-                    .host_view(li, seq, len)
-                    .ok_or_else(|| Error::InvalidInput(format!("KV cache has no host view of sequence {seq} at layer {li}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let qd: Vec<f32> = if all_decode {
+        let mut views = Vec::with_capacity(batch.n);
+        for (i, sp) in batch.spans.iter().enumerate().filter(|&(i, _)| fused[i]) {
+            let seq = inputs[i].seq;
+            for j in 0..sp.len {
+                let len = sp.past + j + 1;
+                views.push(
+                    cache
+                        .host_view(li, seq, len)
+                        .ok_or_else(|| Error::InvalidInput(format!("KV cache has no host view of sequence {seq} at layer {li}")))?,
+                );
+            }
+        }
+        let qd: Vec<f32> = if all_fused {
             qh
         } else {
-            decode.iter().flat_map(|&i| qh[batch.spans[i].start * qrow..][..qrow].iter().copied()).collect()
+            batch
+                .spans
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| fused[i])
+                .flat_map(|(_, sp)| qh[sp.start * qrow..(sp.start + sp.len) * qrow].iter().copied())
+                .collect()
         };
-        let mut out = vec![0.0f32; decode.len() * qrow];
+        let mut out = vec![0.0f32; views.len() * qrow];
         paged_decode_attention(&qd, AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd }, &views, &mut out)
-            .map_err(|e| Error::InvalidInput(format!("decode attention: {e}")))?;
-        let fused = Tensor::from_data(TensorData::new(out, [decode.len(), qrow]), &self.device);
-        Ok(interleave(prefill_out, fused))
+            .map_err(|e| Error::InvalidInput(format!("fused attention: {e}")))?;
+        let fused_out = Tensor::from_data(TensorData::new(out, [views.len(), qrow]), &self.device);
+        Ok(interleave(burn_out, &batch.spans, Some(fused_out)))
     }
 
     /// Final RMSNorm and LM head over the last `rows[i]` positions of each sequence of the
@@ -683,10 +698,16 @@ impl Llama {
     }
 }
 
-/// Attention of the batch's multi-token sequences (prefill chunks, speculative verification)
-/// through the burn path: their keys and values appended with [`KvCache::append`], then causal
-/// attention over the gathered cache. `Some([len, heads · head_dim])` per such sequence, `None`
-/// for the one-token sequences (the caller's decode kernel attends those).
+/// Whether sequence input `inp` with span `sp` is a token tree of more than one node (tree
+/// attention, [`SeqInput::tree`]).
+fn is_tree(inp: &SeqInput<'_>, sp: &Span) -> bool {
+    sp.len > 1 && inp.tree.is_some_and(|t| t.len() > 1)
+}
+
+/// Attention of the batch's sequences `i` with `take(i)` through the burn path: their keys and
+/// values appended with [`KvCache::append`], then causal (or tree) attention over the gathered
+/// cache. `Some([len, heads · head_dim])` per such sequence, `None` for the others.
+#[allow(clippy::too_many_arguments)]
 fn multi_token_attention(
     li: usize,
     q: &Tensor<3>,
@@ -695,10 +716,11 @@ fn multi_token_attention(
     batch: &Batch,
     inputs: &[SeqInput<'_>],
     cache: &mut dyn KvCache,
+    take: &dyn Fn(usize) -> bool,
 ) -> Result<Vec<Option<Tensor<2>>>> {
     let mut out = vec![None; batch.spans.len()];
     for (i, (inp, sp)) in inputs.iter().zip(&batch.spans).enumerate() {
-        if sp.len != 1 {
+        if take(i) {
             let (kall, vall) = cache.append(li, inp.seq, batch.rows(k, sp), batch.rows(v, sp))?;
             out[i] = Some(span_attention(batch.rows(q, sp), kall, vall, sp.past, inp.tree));
         }
@@ -732,26 +754,28 @@ fn tree_depths(seq: SeqId, parents: &[Option<usize>], tokens: usize) -> Result<V
     Ok(depth)
 }
 
-/// The attention outputs of a batch in batch order: each sequence's rows from `prefill`
-/// (`Some` for a multi-token sequence) or, in order, the next row of `decode`
-/// (`[decode sequences, width]`, one row per `None`).
-fn interleave(prefill: Vec<Option<Tensor<2>>>, decode: Tensor<2>) -> Tensor<2> {
-    let [m, width] = decode.dims();
-    if prefill.iter().all(Option::is_none) && prefill.len() == m {
-        return decode;
+/// The attention outputs of a batch in batch order: each sequence's rows from `parts` (`Some`)
+/// or, in order, its `span.len` next rows of `fused` (`[rows of the None sequences, width]`).
+fn interleave(parts: Vec<Option<Tensor<2>>>, spans: &[Span], fused: Option<Tensor<2>>) -> Tensor<2> {
+    if let Some(f) = &fused
+        && parts.iter().all(Option::is_none)
+    {
+        return f.clone();
     }
-    let mut parts = Vec::with_capacity(prefill.len());
+    let mut out = Vec::with_capacity(parts.len());
     let mut d = 0;
-    for p in prefill {
-        match p {
-            Some(t) => parts.push(t),
-            None => {
-                parts.push(decode.clone().slice([d..d + 1, 0..width]));
-                d += 1;
+    for (p, sp) in parts.into_iter().zip(spans) {
+        match (p, &fused) {
+            (Some(t), _) => out.push(t),
+            (None, Some(f)) => {
+                let width = f.dims()[1];
+                out.push(f.clone().slice([d..d + sp.len, 0..width]));
+                d += sp.len;
             }
+            (None, None) => {}
         }
     }
-    Tensor::cat(parts, 0)
+    if out.len() == 1 { out.remove(0) } else { Tensor::cat(out, 0) }
 }
 
 /// Attention of a batch against a [`KvCache`]: each sequence's new keys and values are appended
@@ -769,7 +793,7 @@ impl Attend for CacheAttention<'_, '_> {
     fn attend(&mut self, li: usize, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>) -> Result<Tensor<2>> {
         let (batch, inputs) = (self.batch, self.inputs);
         let cache = &mut *self.cache;
-        if self.model.fused_decode && cache.supports_host_kv() && batch.spans.iter().any(|sp| sp.len == 1) {
+        if self.model.fused_decode && cache.supports_host_kv() && inputs.iter().zip(&batch.spans).any(|(inp, sp)| !is_tree(inp, sp)) {
             return self.model.attention_fused(li, q, k, v, batch, inputs, cache);
         }
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
