@@ -17,6 +17,7 @@
 //!
 //! [`device`] turns a user-facing name (`flex`, `wgpu`, `cuda`) into a burn [`burn::tensor::Device`].
 
+pub mod act;
 pub mod attention;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod cube;

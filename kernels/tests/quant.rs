@@ -403,3 +403,23 @@ fn extreme_codes_match_reference() {
         }
     }
 }
+
+/// A long input (quantized in parallel pieces) gives the same codes and scales as each token
+/// quantized alone.
+#[test]
+fn long_activation_quantization_equals_per_token() {
+    let (n, cols) = (150, 576);
+    let mut x = values(99, n * cols, 3.0);
+    x[70_000] = f32::INFINITY; // a non-finite block inside the second piece
+    let all = QuantizedActivations::quantize(&x, n, cols).expect("quantize");
+    let nb = cols / 32;
+    for t in 0..n {
+        let one = QuantizedActivations::quantize(&x[t * cols..(t + 1) * cols], 1, cols).expect("quantize");
+        assert_eq!(&all.codes[t * cols..(t + 1) * cols], &one.codes[..], "token {t} codes");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&all.scales[t * nb..(t + 1) * nb]), bits(&one.scales), "token {t} scales");
+        assert_eq!(bits(&all.sums[t * nb..(t + 1) * nb]), bits(&one.sums), "token {t} sums");
+        assert_eq!(&all.isums[t * nb..(t + 1) * nb], &one.isums[..], "token {t} integer sums");
+    }
+    assert!(all.scales[70_000 / 32].is_nan());
+}

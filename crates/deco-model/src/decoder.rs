@@ -246,6 +246,14 @@ impl Pass<'_> {
     pub fn mlp_act(&self, layer: usize, w: &dyn LayerParams, xn2: Tensor<2>, hook: &dyn LayerHook) -> Result<Tensor<2>> {
         let (n, i) = (xn2.dims()[0], self.cfg.intermediate_size);
         let gu = w.project(Proj::GateUp, hook.input(layer, Site::MlpIn, xn2))?;
+        let device = gu.device();
+        if device == Device::flex() && !device.is_autodiff() {
+            // On the CPU without autodiff: the fused host SwiGLU (one pass, vectorized exp).
+            let host = crate::host::to_host(gu)?;
+            let mut h = vec![0.0f32; n * i];
+            deco_kernels::act::swiglu(&host, n, i, &mut h).map_err(|e| Error::InvalidInput(format!("swiglu: {e}")))?;
+            return Ok(Tensor::from_data(TensorData::new(h, [n, i]), &device));
+        }
         Ok(swiglu(gu.clone().slice([0..n, 0..i]), gu.slice([0..n, i..2 * i])))
     }
 

@@ -328,51 +328,68 @@ impl QuantizedActivations {
         }
         let nblocks = x.len() / BLOCK;
         let mut q = Self { codes: vec![0i8; x.len()], scales: vec![0.0f32; nblocks], sums: vec![0.0f32; nblocks], isums: vec![0i32; nblocks] };
-        #[cfg(target_arch = "x86_64")]
-        if Isa::detect() != Isa::Scalar {
-            // SAFETY: AVX2 and FMA were detected (`Isa::detect` is not Scalar).
-            unsafe { q.fill_avx2(x) };
-            return Ok(q);
+        // Blocks are independent: a long prompt is quantized in parallel pieces of whole
+        // blocks (the same values as in one piece).
+        const PIECE: usize = 64 * 1024;
+        let pb = PIECE / BLOCK;
+        let Self { codes, scales, sums, isums } = &mut q;
+        type Piece<'a> = ((((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]), &'a mut [i32]);
+        let run = |((((xp, c), sc), su), is): Piece<'_>| {
+            #[cfg(target_arch = "x86_64")]
+            if Isa::detect() != Isa::Scalar {
+                // SAFETY: AVX2 and FMA were detected (`Isa::detect` is not Scalar).
+                unsafe { quantize_blocks_avx2(xp, c, sc, su, is) };
+                return;
+            }
+            quantize_blocks(xp, c, sc, su, is);
+        };
+        if x.len() > PIECE {
+            x.par_chunks(PIECE)
+                .zip(codes.par_chunks_mut(PIECE))
+                .zip(scales.par_chunks_mut(pb))
+                .zip(sums.par_chunks_mut(pb))
+                .zip(isums.par_chunks_mut(pb))
+                .for_each(run);
+        } else {
+            run(((((x, &mut codes[..]), &mut scales[..]), &mut sums[..]), &mut isums[..]));
         }
-        q.fill(x);
         Ok(q)
     }
+}
 
-    /// [`QuantizedActivations::fill`] compiled for AVX2 (`round_ties_even` becomes one
-    /// `vroundps` instead of a libm call, the loops vectorize); the same IEEE operations, so
-    /// the same codes and scales.
-    ///
-    /// # Safety
-    /// AVX2 and FMA must be available.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn fill_avx2(&mut self, x: &[f32]) {
-        self.fill(x);
-    }
+/// [`quantize_blocks`] compiled for AVX2 (`round_ties_even` becomes one `vroundps` instead of a
+/// libm call, the loops vectorize); the same IEEE operations, so the same codes and scales.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_blocks_avx2(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32], isums: &mut [i32]) {
+    quantize_blocks(x, codes, scales, sums, isums);
+}
 
-    /// Quantizes `x` block by block into the (correctly sized) arrays of `self`.
-    #[inline(always)]
-    fn fill(&mut self, x: &[f32]) {
-        let Self { codes, scales, sums, isums } = self;
-        for (b, (xb, qb)) in x.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).enumerate() {
-            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            if xb.iter().any(|v| !v.is_finite()) {
-                scales[b] = f32::NAN;
-                sums[b] = f32::NAN;
-                continue;
-            }
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, v) in qb.iter_mut().zip(xb) {
-                let c = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-                *q = c;
-                sum += i32::from(c);
-            }
-            scales[b] = d;
-            sums[b] = d * sum as f32;
-            isums[b] = sum;
+/// Quantizes `x` block by block into `codes` (as long as `x`) and the per-block `scales`,
+/// `sums`, `isums` (`x.len() / 32` each) of a [`QuantizedActivations`].
+#[inline(always)]
+fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32], isums: &mut [i32]) {
+    for (b, (xb, qb)) in x.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).enumerate() {
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        if xb.iter().any(|v| !v.is_finite()) {
+            scales[b] = f32::NAN;
+            sums[b] = f32::NAN;
+            continue;
         }
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in qb.iter_mut().zip(xb) {
+            let c = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+            *q = c;
+            sum += i32::from(c);
+        }
+        scales[b] = d;
+        sums[b] = d * sum as f32;
+        isums[b] = sum;
     }
 }
 
