@@ -21,6 +21,7 @@ pub mod act;
 pub mod attention;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod cube;
+pub mod dense;
 pub mod device;
 pub mod error;
 pub mod ops;

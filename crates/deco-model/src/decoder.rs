@@ -289,6 +289,10 @@ impl Pass<'_> {
 pub enum LinearWeight {
     /// f32 on the device, transposed: `[in, out]` (`y = x @ w`).
     Dense(Tensor<2>),
+    /// f32 on the host, transposed: `[in, out]` row-major, multiplied by
+    /// [`deco_kernels::dense::matmul`] (the CPU device without autodiff: a streaming kernel at
+    /// few tokens instead of `gemm`'s packing).
+    Host(Arc<HostDense>),
     /// GGUF blocks on the host, `[out, in]`, multiplied by the packed CPU kernels of
     /// [`deco_kernels::quant`] (the activations go to the host and back).
     Packed(Arc<PackedMatrix>),
@@ -308,6 +312,14 @@ impl LinearWeight {
     pub fn apply(&self, x: Tensor<2>) -> Result<Tensor<2>> {
         match self {
             LinearWeight::Dense(w) => Ok(x.matmul(w.clone())),
+            LinearWeight::Host(w) => {
+                let [n, _] = x.dims();
+                let device = x.device();
+                let xs = crate::host::to_host(x)?;
+                let mut y = vec![0.0f32; n * w.out];
+                deco_kernels::dense::matmul(&xs, n, &w.data, w.inner, w.out, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
+                Ok(Tensor::from_data(TensorData::new(y, [n, w.out]), &device))
+            }
             LinearWeight::Packed(m) => {
                 let [n, _] = x.dims();
                 let device = x.device();
@@ -330,6 +342,7 @@ impl LinearWeight {
     pub fn dense_transposed(&self, device: &Device) -> Result<Tensor<2>> {
         match self {
             LinearWeight::Dense(w) => Ok(w.clone()),
+            LinearWeight::Host(w) => Ok(Tensor::from_data(TensorData::new(w.data.clone(), [w.inner, w.out]), device)),
             LinearWeight::Packed(m) => {
                 let t = crate::host::transpose(&m.dequantize(), m.rows(), m.cols());
                 Ok(Tensor::from_data(TensorData::new(t, [m.cols(), m.rows()]), device))
@@ -365,8 +378,22 @@ impl LinearWeight {
     pub fn dense_fused(parts: &[(&[f32], usize)], inner: usize, device: &Device) -> Self {
         let total: usize = parts.iter().map(|p| p.1).sum();
         let fused = crate::host::fuse_transposed(parts, inner);
+        if *device == Device::flex() && !device.is_autodiff() {
+            return LinearWeight::Host(Arc::new(HostDense { data: fused, inner, out: total }));
+        }
         LinearWeight::Dense(Tensor::from_data(TensorData::new(fused, [inner, total]), device))
     }
+}
+
+/// A dense f32 weight on the host for [`LinearWeight::Host`].
+#[derive(Debug, Clone)]
+pub struct HostDense {
+    /// `[inner, out]` row-major.
+    pub data: Vec<f32>,
+    /// Input features.
+    pub inner: usize,
+    /// Output features.
+    pub out: usize,
 }
 
 /// One decoder layer's weights as the model runs them: norms on the device, Q/K/V and gate/up

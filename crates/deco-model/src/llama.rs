@@ -84,7 +84,7 @@ type PackedSource<'a> = &'a dyn Fn(&str) -> Result<Option<PackedMatrix>>;
 /// Counts of linear weights by storage ([`Llama::weight_storage`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WeightStorage {
-    /// f32 on the model's device ([`LinearWeight::Dense`]).
+    /// f32 on the model's device ([`LinearWeight::Dense`], or [`LinearWeight::Host`] on the CPU).
     pub dense: usize,
     /// GGUF blocks on the host, CPU kernels ([`LinearWeight::Packed`]).
     pub host_packed: usize,
@@ -421,7 +421,7 @@ impl Llama {
         let layers = self.layers.iter().flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]);
         for w in layers.chain(std::iter::once(&self.head)) {
             match w {
-                LinearWeight::Dense(_) => s.dense += 1,
+                LinearWeight::Dense(_) | LinearWeight::Host(_) => s.dense += 1,
                 LinearWeight::Packed(_) => s.host_packed += 1,
                 #[cfg(any(feature = "wgpu", feature = "cuda"))]
                 LinearWeight::Device(_) => s.device_packed += 1,
