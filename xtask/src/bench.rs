@@ -991,7 +991,7 @@ pub fn render_markdown(
         "SmolLM2-135M-Instruct, {} threads for both engines, a prompt of {} tokens (one prefill), \
          then {} greedy decode steps (EOS ignored); llama.cpp is {LLAMA_CPP_PYTHON} (vendored \
          llama.cpp, `xtask/scripts/llama_bench.py`, one unmeasured warm-up per run), deco is \
-         `deco generate`{} (one unmeasured warm-up run per file). Engines and types are \
+         `deco generate{}`{} (one unmeasured warm-up run per file). Engines and types are \
          interleaved in each repeat. The \
          Q8_0 and F32 files are made from the Q4_1 file by `deco quantize` (Q8_0: the dequantized \
          Q4_1 linears requantized with ggml's Q8_0 quantizer; F32: every quantized tensor \
@@ -1001,7 +1001,8 @@ pub fn render_markdown(
         o.threads,
         o.prompt_tokens,
         o.decode_tokens,
-        if o.q8_activations { " --q8-activations (8-bit activations, integer dot products, as llama.cpp)" } else { " (f32 activations)" },
+        if o.q8_activations { " --q8-activations" } else { "" },
+        if o.q8_activations { " (8-bit activations and integer dot products in the packed matmuls, as llama.cpp)" } else { " (f32 activations)" },
         o.repeats
     ));
     s.push_str("| type | engine | prefill tok/s | decode tok/s |\n|---|---|---|---|\n");
