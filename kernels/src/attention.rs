@@ -56,6 +56,10 @@ pub const TILE: usize = 32;
 /// Key positions per split-K chunk (a multiple of [`TILE`]); see the [module docs](self).
 pub const CHUNK: usize = 256;
 
+/// Most partial results (one per sequence, chunk and kv head, `g · (head_dim + 2)` floats each)
+/// held at once: 16,384 × 198 floats = 13 MB for SmolLM2.
+const MAX_PARTIALS: usize = 1 << 14;
+
 /// Below this many multiply-adds in total (`Σ len · n_heads · head_dim · 2`) the tasks run on
 /// the calling thread (rayon's fork/join costs more than the work).
 const PARALLEL_MIN_WORK: usize = 1 << 18;
@@ -134,7 +138,6 @@ pub fn paged_decode_attention_with(
         return Err(Error::Length { what: "attention out", expected: n, actual: out.len() });
     }
     let row = kv_heads * head_dim;
-    let mut work = 0usize;
     for (i, s) in seqs.iter().enumerate() {
         if s.len == 0 || s.block_size == 0 {
             return Err(Error::Incompatible(format!(
@@ -166,12 +169,36 @@ pub fn paged_decode_attention_with(
                 )));
             }
         }
-        work = work.saturating_add(s.len * n_heads * head_dim * 2);
     }
     if seqs.is_empty() {
         return Ok(());
     }
     let isa = if isa.is_available() { isa } else { Isa::Scalar };
+    // A long prefill is many queries over long prefixes: the sequences go through in groups of
+    // at most MAX_PARTIALS partial results, which bounds the buffer; a group computes each of
+    // its sequences exactly as a call of its own would.
+    let per_seq = n_heads * head_dim;
+    let mut s0 = 0;
+    while s0 < seqs.len() {
+        let (mut s1, mut count) = (s0, 0usize);
+        while s1 < seqs.len() {
+            let c = kv_heads * seqs[s1].len.div_ceil(CHUNK);
+            if s1 > s0 && count + c > MAX_PARTIALS {
+                break;
+            }
+            count += c;
+            s1 += 1;
+        }
+        attend_group(&q[s0 * per_seq..s1 * per_seq], shape, &seqs[s0..s1], &mut out[s0 * per_seq..s1 * per_seq], isa);
+        s0 = s1;
+    }
+    Ok(())
+}
+
+/// [`paged_decode_attention_with`] on validated inputs (`isa` available).
+fn attend_group(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], out: &mut [f32], isa: Isa) {
+    let AttnShape { n_heads, kv_heads, head_dim } = shape;
+    let work = seqs.iter().fold(0usize, |w, s| w.saturating_add(s.len * n_heads * head_dim * 2));
     let g = n_heads / kv_heads;
     // Partials are (sequence, chunk, kv head), sequence-major; `first[i]` is sequence i's first.
     let mut first = Vec::with_capacity(seqs.len() + 1);
@@ -243,7 +270,6 @@ pub fn paged_decode_attention_with(
     } else {
         out.chunks_mut(per_seq).enumerate().for_each(merge);
     }
-    Ok(())
 }
 
 /// Offset of position `p` (kv head 0) in the storage of `s` (`row` = `kv_heads · head_dim`).

@@ -306,3 +306,29 @@ fn errors_and_empty_batch() {
     paged_decode_attention(&q, shape, &[s2], &mut out).expect("last block partially in storage");
     paged_decode_attention(&[], shape, &[], &mut []).expect("empty batch");
 }
+
+/// A call whose partial results exceed the kernel's buffer bound (a long prefill: many queries
+/// over long prefixes of one cache) runs in groups, with the same bits as each query alone.
+#[test]
+fn grouped_long_prefill_equals_single_queries() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let shape = AttnShape { n_heads: 8, kv_heads: 8, head_dim: 8 };
+    let (len, row) = (2000usize, 64usize);
+    let k: Vec<f32> = (0..len * row).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let v: Vec<f32> = (0..len * row).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let table = [0u32];
+    // 300 queries over prefixes of 1,700 .. 2,000 positions: 300 × 8 chunks × 8 kv heads =
+    // 19,200 partials.
+    let seqs: Vec<SeqKv<'_>> =
+        (0..300).map(|i| SeqKv { k: &k, v: &v, block_table: &table, block_size: len, len: len - 299 + i }).collect();
+    let n = 64;
+    let q: Vec<f32> = (0..seqs.len() * n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let mut all = vec![0.0f32; q.len()];
+    paged_decode_attention(&q, shape, &seqs, &mut all).expect("batch");
+    for i in [0usize, 1, 150, 298, 299] {
+        let mut one = vec![0.0f32; n];
+        paged_decode_attention(&q[i * n..(i + 1) * n], shape, &seqs[i..i + 1], &mut one).expect("alone");
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&one), bits(&all[i * n..(i + 1) * n]), "query {i}");
+    }
+}
