@@ -70,8 +70,7 @@ fn scalar_row(g: &[f32], u: &[f32], o: &mut [f32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// `e^x` lane-wise for any `x`: Cephes' `expf` (`x = n ln 2 + r`, a degree-5 polynomial
-    /// for `e^r`, `2^n` in the exponent bits; about 1e-7 relative). Below −87.3 the result is
+    /// `e^x` lane-wise for any `x` ([`crate::simd::exp_in_range`]): below −87.3 the result is
     /// `e^−87.3` (the caller only uses `1 + e^x`, where that is 1), above 88.3 it is +inf;
     /// NaN stays NaN.
     #[inline(always)]
@@ -81,22 +80,8 @@ mod x86 {
             let big = _mm256_cmp_ps(x, _mm256_set1_ps(88.3), _CMP_GT_OQ);
             // max(lo, x) / min(hi, x) return x when x is NaN.
             let x = _mm256_min_ps(_mm256_set1_ps(88.3), _mm256_max_ps(_mm256_set1_ps(-87.3), x));
-            let n = _mm256_round_ps(
-                _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-            );
-            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-            let mut p = _mm256_set1_ps(1.987_569_1e-4);
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
-            let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-            let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
             // Above the clamp e^x overflows f32: +inf, as `f32::exp`.
-            _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(f32::INFINITY), big)
+            _mm256_blendv_ps(crate::simd::exp_in_range(x), _mm256_set1_ps(f32::INFINITY), big)
         }
     }
 

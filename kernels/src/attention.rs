@@ -340,6 +340,7 @@ mod x86 {
     use std::ops::Range;
 
     use super::{AttnShape, SeqKv, TILE, row_offset};
+    use crate::simd::{exp_in_range, hsum};
 
     /// `[Σ a_0, …, Σ a_7]`: the horizontal sums of eight vectors in one vector.
     #[inline(always)]
@@ -360,16 +361,6 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: register-only AVX instructions.
-        unsafe {
-            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
-        }
-    }
-
-    #[inline(always)]
     unsafe fn hmax(v: __m256) -> f32 {
         // SAFETY: register-only AVX instructions.
         unsafe {
@@ -379,31 +370,15 @@ mod x86 {
         }
     }
 
-    /// `e^x` for `x ≤ 0` lane-wise: `x = n ln 2 + r`, Cephes' `expf` polynomial for `e^r`
-    /// (relative error about 1e-7), `2^n` in the exponent bits; 0 below `-87.3` (and for
-    /// `-inf`); NaN stays NaN.
+    /// `e^x` for `x ≤ 0` lane-wise ([`crate::simd::exp_in_range`]); 0 at or below `-87.3`
+    /// (and for `-inf`); NaN stays NaN.
     #[inline(always)]
     unsafe fn exp_neg(x: __m256) -> __m256 {
         // SAFETY (whole body): register-only AVX2/FMA instructions (the caller's target features).
         unsafe {
             let min = _mm256_set1_ps(-87.3);
             // max(min, x) returns x when x is NaN, so NaN propagates.
-            let xc = _mm256_max_ps(min, x);
-            let n = _mm256_round_ps(
-                _mm256_mul_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-            );
-            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), xc);
-            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-            let mut p = _mm256_set1_ps(1.987_569_1e-4);
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_5e-1));
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
-            let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-            let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-            let out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+            let out = exp_in_range(_mm256_max_ps(min, x));
             // Lanes at or below the minimum (including -inf) are exactly 0.
             _mm256_andnot_ps(_mm256_cmp_ps(x, min, _CMP_LE_OQ), out)
         }

@@ -17,27 +17,13 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::quant::Isa;
+use crate::quant::{Isa, SyncPtr};
 
 /// Most tokens for the streaming kernel.
 pub const SMALL_N: usize = 4;
 
 /// Output columns per task of the `gemm` path and of the partial-sum reduction, at least.
 const MIN_COLS: usize = 256;
-
-/// A raw pointer that rayon tasks may share to write disjoint columns.
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: tasks write disjoint column ranges of the output through it.
-unsafe impl Send for SyncPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SyncPtr {}
-
-impl SyncPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
 
 /// `y[n, out] = x[n, inner] · w[inner, out]`, all row-major f32.
 ///

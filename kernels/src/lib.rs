@@ -26,6 +26,8 @@ pub mod device;
 pub mod error;
 pub mod ops;
 pub mod quant;
+#[cfg(target_arch = "x86_64")]
+mod simd;
 
 pub use device::{DeviceError, select_device};
 pub use error::{Error, Result};

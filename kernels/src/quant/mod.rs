@@ -419,9 +419,10 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
 }
 
-/// A raw pointer that rayon tasks may share to write disjoint elements.
+/// A raw pointer that rayon tasks may share to write disjoint elements (also used by
+/// [`crate::dense`]).
 #[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
 // SAFETY: every task writes a disjoint set of elements (distinct output columns / rows).
 unsafe impl Send for SyncPtr {}
 // SAFETY: as above.
@@ -429,7 +430,7 @@ unsafe impl Sync for SyncPtr {}
 
 impl SyncPtr {
     /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }

@@ -3,6 +3,7 @@
 use std::arch::x86_64::*;
 
 use super::{BLOCK, BlockType, Q6K_D, Q6K_QH, Q6K_SCALES, q4k_scale_min};
+use crate::simd::hsum;
 
 /// The f16 at `p` (unaligned) as f32, with the F16C conversion.
 #[inline]
@@ -11,16 +12,6 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees 2 readable bytes at `p`.
     let bits = unsafe { (p as *const u16).read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
-/// Sum of the 8 lanes in a fixed order (halves, then pairs); shared by the AVX-512 kernels.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
 }
 
 /// The 32 weights of a block as four vectors of 8 integer-valued f32 (before the scale):

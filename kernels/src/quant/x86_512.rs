@@ -221,7 +221,7 @@ unsafe fn tile_t<const TY: u8, const R: usize, const T: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn hsum512(v: __m512) -> f32 {
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-    super::x86::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
+    crate::simd::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
 }
 
 /// `R × T` dot products of packed rows with activation rows (see `tile_t`).
@@ -364,7 +364,7 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
     let mut out = [[0.0f32; T]; R];
     for i in 0..R {
         for k in 0..T {
-            out[i][k] = super::x86::hsum(acc[i][k]) + corr[i][k];
+            out[i][k] = crate::simd::hsum(acc[i][k]) + corr[i][k];
         }
     }
     out
