@@ -112,6 +112,72 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
     Ok(())
 }
 
+/// Side of the square blocks of [`gram`].
+const GRAM_BLOCK: usize = 128;
+
+/// The Gram matrix `xᵀ x` of `n` rows of `cols` features, f32 products accumulated in f32 by
+/// the `gemm` crate (what a device `xᵀ · x` matmul computes).
+///
+/// Symmetric rank-k update (BLAS `ssyrk`): only the `128 × 128` blocks on and below the
+/// diagonal are multiplied (about half the `n · cols²` multiply-adds of a full product), in
+/// parallel over the blocks, then mirrored. Used for the calibration Hessians of GPTQ and
+/// SparseGPT (`H = 2 XᵀX / n`).
+///
+/// # Shapes
+/// - `x`: `[n, cols]`
+/// - returns `[cols, cols]`, symmetric
+///
+/// # Errors
+/// [`Error::Length`] when `x.len() != n · cols`.
+pub fn gram(x: &[f32], n: usize, cols: usize) -> Result<Vec<f32>> {
+    if x.len() != n * cols {
+        return Err(Error::Length { what: "gram x", expected: n * cols, actual: x.len() });
+    }
+    let mut g = vec![0.0f32; cols * cols];
+    if n == 0 || cols == 0 {
+        return Ok(g);
+    }
+    let nb = cols.div_ceil(GRAM_BLOCK);
+    let blocks: Vec<(usize, usize)> = (0..nb).flat_map(|i| (0..=i).map(move |j| (i, j))).collect();
+    let gp = SyncPtr(g.as_mut_ptr());
+    blocks.into_par_iter().for_each(|(bi, bj)| {
+        let (i0, j0) = (bi * GRAM_BLOCK, bj * GRAM_BLOCK);
+        let (mi, mj) = (GRAM_BLOCK.min(cols - i0), GRAM_BLOCK.min(cols - j0));
+        // SAFETY: dst is the block rows i0..i0+mi × cols j0..j0+mj of g (row stride cols),
+        // written by this task only; lhs is columns i0.. of x read transposed (element (i, t)
+        // at x[t·cols + i0 + i]), rhs columns j0.. of x (element (t, j) at x[t·cols + j0 + j]).
+        unsafe {
+            gemm::gemm(
+                mi,
+                mj,
+                n,
+                gp.get().add(i0 * cols + j0),
+                1,
+                cols as isize,
+                false,
+                x.as_ptr().add(i0),
+                cols as isize,
+                1,
+                x.as_ptr().add(j0),
+                1,
+                cols as isize,
+                0.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    });
+    for i in 0..cols {
+        for j in i + 1..cols {
+            g[i * cols + j] = g[j * cols + i];
+        }
+    }
+    Ok(g)
+}
+
 /// The streaming loop over weight rows `rows`: `acc[t, ..] = Σ_{i ∈ rows} x[t, i] · w[i, ..]`
 /// (`acc` is `[n, out]`, zero on entry).
 #[inline(always)]
