@@ -415,6 +415,35 @@ fn gptq_ragged_groups_match_algorithm_1() {
     assert_eq!(r.q.g_idx, rtn.g_idx);
 }
 
+/// Rows are quantized independently (Algorithm 1 shares only H⁻¹ between them), so the
+/// parallel row chunks of `gptq_quantize` must give each row exactly what that row gets alone:
+/// 70 rows (chunks of 32, 32 and 6) against 70 one-row calls, for every option that changes
+/// the per-row loop.
+#[test]
+fn gptq_rows_are_independent_of_the_row_chunks() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let (rows, cols, tokens) = (70, 24, 64);
+    let x = correlated_x(&mut rng, tokens, cols);
+    let w = randn(&mut rng, rows * cols);
+    let h = hessian_of(&x, tokens, cols);
+    for (group, desc_act, static_groups, mse) in [(None, false, false, 0.0), (Some(8), true, false, 2.4), (Some(8), true, true, 0.0), (Some(16), false, false, 2.4)] {
+        let cfg = GptqConfig { bits: 3, group_size: group, sym: false, damp_percent: 0.01, desc_act, static_groups, blocksize: 8, mse };
+        let all = gptq_quantize(&w, rows, cols, &h, &cfg).unwrap();
+        let groups = all.q.groups();
+        let mut loss = 0.0;
+        for r in 0..rows {
+            let one = gptq_quantize(&w[r * cols..(r + 1) * cols], 1, cols, &h, &cfg).unwrap();
+            assert_eq!(&all.q.codes[r * cols..(r + 1) * cols], &one.q.codes[..], "{cfg:?}: codes of row {r}");
+            assert_eq!(&all.q.scales[r * groups..(r + 1) * groups], &one.q.scales[..], "{cfg:?}: scales of row {r}");
+            assert_eq!(&all.q.zeros[r * groups..(r + 1) * groups], &one.q.zeros[..], "{cfg:?}: zeros of row {r}");
+            assert_eq!(all.q.g_idx, one.q.g_idx);
+            loss += one.loss;
+        }
+        assert!((all.loss - loss).abs() <= 1e-9 * loss, "{cfg:?}: loss {} vs {loss}", all.loss);
+    }
+    assert!(gptq_quantize(&[], 0, cols, &h, &GptqConfig::default()).is_err());
+}
+
 #[test]
 fn gptq_desc_act_g_idx_and_static_groups() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);

@@ -20,6 +20,7 @@
 //! zeros in its mask.
 
 use deco_quant::gptq::Hessian;
+use rayon::prelude::*;
 
 use crate::mask::{Mask, Pattern, pruned_count};
 use crate::{Error, Result, invalid};
@@ -55,12 +56,15 @@ pub struct SparseGptResult {
 /// Dead inputs (`H_jj = 0`) get `H_jj = 1` and zero weights, as in the reference.
 ///
 /// # Errors
-/// [`Error::Shape`] for mismatched sizes; [`Error::InvalidParameter`] for an invalid pattern,
+/// [`Error::Shape`] for mismatched sizes or an empty weight; [`Error::InvalidParameter`] for an invalid pattern,
 /// `blocksize` 0 or not a multiple of `m`, a non-positive `percdamp`;
 /// [`Error::Quant`] (not positive definite) if the damped Hessian cannot be factored.
 pub fn sparsegpt_prune(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, pattern: Pattern, cfg: &SparseGptConfig) -> Result<SparseGptResult> {
     if w.len() != rows * cols || hessian.cols != cols {
         return Err(Error::Shape(format!("weight of {} values for {rows}x{cols}, Hessian for {} columns", w.len(), hessian.cols)));
+    }
+    if rows == 0 || cols == 0 {
+        return Err(Error::Shape(format!("empty weight {rows}x{cols}")));
     }
     pattern.check_cols(cols)?;
     if cfg.blocksize == 0 {
@@ -98,95 +102,128 @@ pub fn sparsegpt_prune(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, p
     while i1 < n {
         let i2 = (i1 + bs).min(n);
         let count = i2 - i1;
-        // Block copy, transposed: w1[i * rows + r] = W[r, i1 + i].
-        let mut w1 = vec![0.0f64; count * rows];
-        for r in 0..rows {
-            for i in 0..count {
-                w1[i * rows + r] = wm[r * n + i1 + i];
-            }
-        }
-        // mask1[i * rows + r]: pruned flag of W[r, i1 + i].
-        let mut pruned1 = vec![false; count * rows];
-        if let Pattern::Unstructured(s) = pattern {
-            let k = pruned_count(s, rows * i2) - pruned_count(s, rows * i1);
-            let tmp: Vec<f64> = (0..count * rows)
-                .map(|f| {
-                    let i = f / rows;
-                    let d = hinv[(i1 + i) * n + i1 + i];
-                    w1[f] * w1[f] / (d * d)
-                })
-                .collect();
-            // Rank in the reference's flattening order (row-major W1[:, i1:i2]), ties by it.
-            let mut idx: Vec<usize> = (0..count * rows).collect();
-            let key = |f: usize| (f % rows) * count + f / rows;
-            idx.sort_by(|&a, &b| tmp[a].total_cmp(&tmp[b]).then(key(a).cmp(&key(b))));
-            for &f in &idx[..k] {
-                pruned1[f] = true;
-            }
-        }
-        let mut err1 = vec![0.0f64; count * rows];
-        for i in 0..count {
-            let col = i1 + i;
-            if let Pattern::NM { n: keep_n, m } = pattern
-                && i % m == 0
-            {
-                for r in 0..rows {
-                    let mut g: Vec<(f64, usize)> = (i..i + m)
-                        .map(|j| {
-                            let d = hinv[(i1 + j) * n + i1 + j];
-                            (w1[j * rows + r] * w1[j * rows + r] / (d * d), j)
-                        })
-                        .collect();
-                    g.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-                    for &(_, j) in &g[..m - keep_n] {
-                        pruned1[j * rows + r] = true;
-                    }
+        // Unstructured: the block's mask over all rows together (pruned flag of W[r, i1 + i] at
+        // i · rows + r), from the weights as updated by the previous blocks.
+        let block_mask: Option<Vec<bool>> = match pattern {
+            Pattern::Unstructured(s) => {
+                let k = pruned_count(s, rows * i2) - pruned_count(s, rows * i1);
+                let tmp: Vec<f64> = (0..count * rows)
+                    .map(|f| {
+                        let (i, r) = (f / rows, f % rows);
+                        let d = hinv[(i1 + i) * n + i1 + i];
+                        let w = wm[r * n + i1 + i];
+                        w * w / (d * d)
+                    })
+                    .collect();
+                // Rank in the reference's flattening order (row-major W1[:, i1:i2]), ties by it.
+                let mut idx: Vec<usize> = (0..count * rows).collect();
+                let key = |f: usize| (f % rows) * count + f / rows;
+                idx.sort_by(|&a, &b| tmp[a].total_cmp(&tmp[b]).then(key(a).cmp(&key(b))));
+                let mut pruned = vec![false; count * rows];
+                for &f in &idx[..k] {
+                    pruned[f] = true;
                 }
+                Some(pruned)
             }
-            let d = hinv[col * n + col];
-            let (head, tail) = w1.split_at_mut((i + 1) * rows);
-            let wcol = &mut head[i * rows..];
-            let e = &mut err1[i * rows..(i + 1) * rows];
-            for r in 0..rows {
-                let q = if pruned1[i * rows + r] { 0.0 } else { wcol[r] };
-                let diff = wcol[r] - q;
-                loss += diff * diff / (d * d) / 2.0;
-                e[r] = diff / d;
-                wcol[r] = q;
-            }
-            for j in i + 1..count {
-                let hij = hinv[col * n + i1 + j];
-                if hij != 0.0 {
-                    let wj = &mut tail[(j - i - 1) * rows..(j - i) * rows];
-                    for r in 0..rows {
-                        wj[r] -= e[r] * hij;
-                    }
-                }
-            }
-        }
-        for r in 0..rows {
-            for i in 0..count {
-                wm[r * n + i1 + i] = w1[i * rows + r];
-                keep[r * n + i1 + i] = !pruned1[i * rows + r];
-            }
-        }
-        if i2 < n {
-            // W[:, i2:] -= Err1 · Hinv[i1:i2, i2:]
-            for r in 0..rows {
-                let wrow = &mut wm[r * n + i2..(r + 1) * n];
-                for i in 0..count {
-                    let e = err1[i * rows + r];
-                    if e != 0.0 {
-                        let hrow = &hinv[(i1 + i) * n + i2..(i1 + i + 1) * n];
-                        for (x, &hv) in wrow.iter_mut().zip(hrow) {
-                            *x -= e * hv;
-                        }
-                    }
-                }
-            }
-        }
+            Pattern::NM { .. } => None,
+        };
+        // Given the block's mask, rows are independent (a row's errors only update that row):
+        // runs of ROW_CHUNK rows in parallel, fixed by the shape, not by the thread count.
+        let losses: Vec<f64> = wm
+            .par_chunks_mut(ROW_CHUNK * n)
+            .zip(keep.par_chunks_mut(ROW_CHUNK * n))
+            .enumerate()
+            .map(|(ci, (wc, kc))| {
+                let r0 = ci * ROW_CHUNK;
+                let nr = wc.len() / n;
+                let mask_of = |i: usize, r: usize| block_mask.as_ref().is_some_and(|m| m[i * rows + r0 + r]);
+                block_rows(wc, kc, nr, n, i1, i2, &hinv, pattern, &mask_of)
+            })
+            .collect();
+        loss += losses.iter().sum::<f64>();
         i1 = i2;
     }
     let weights: Vec<f32> = wm.iter().zip(&keep).map(|(&v, &k)| if k { v as f32 } else { 0.0 }).collect();
     Ok(SparseGptResult { weights, mask: Mask { rows, cols, keep }, loss })
+}
+
+/// Rows per parallel task of [`sparsegpt_prune`].
+const ROW_CHUNK: usize = 32;
+
+/// One block `i1..i2` of Algorithm 1 over `nr` rows `wm` (`[nr, n]`, updated in place) and
+/// their kept flags `keep`: the N:M selection (per row) or the caller's unstructured mask
+/// (`block_mask(i, r)` for column `i1 + i` of local row `r`), the OBS updates inside the block,
+/// then the lazy batch update of the columns right of it. Returns the rows' loss.
+#[allow(clippy::too_many_arguments)] // the shared state of one block
+fn block_rows(
+    wm: &mut [f64],
+    keep: &mut [bool],
+    nr: usize,
+    n: usize,
+    i1: usize,
+    i2: usize,
+    hinv: &[f64],
+    pattern: Pattern,
+    block_mask: &dyn Fn(usize, usize) -> bool,
+) -> f64 {
+    let count = i2 - i1;
+    let mut loss = 0.0f64;
+    // Block copy, transposed: w1[i * nr + r] = W[r, i1 + i]; pruned1 likewise.
+    let mut w1 = vec![0.0f64; count * nr];
+    let mut pruned1 = vec![false; count * nr];
+    for r in 0..nr {
+        for i in 0..count {
+            w1[i * nr + r] = wm[r * n + i1 + i];
+            pruned1[i * nr + r] = block_mask(i, r);
+        }
+    }
+    let mut err1 = vec![0.0f64; count * nr];
+    for i in 0..count {
+        let col = i1 + i;
+        if let Pattern::NM { n: keep_n, m } = pattern
+            && i % m == 0
+        {
+            for r in 0..nr {
+                let mut g: Vec<(f64, usize)> = (i..i + m)
+                    .map(|j| {
+                        let d = hinv[(i1 + j) * n + i1 + j];
+                        (w1[j * nr + r] * w1[j * nr + r] / (d * d), j)
+                    })
+                    .collect();
+                g.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                for &(_, j) in &g[..m - keep_n] {
+                    pruned1[j * nr + r] = true;
+                }
+            }
+        }
+        let d = hinv[col * n + col];
+        let (head, tail) = w1.split_at_mut((i + 1) * nr);
+        let wcol = &mut head[i * nr..];
+        let e = &mut err1[i * nr..(i + 1) * nr];
+        for r in 0..nr {
+            let q = if pruned1[i * nr + r] { 0.0 } else { wcol[r] };
+            let diff = wcol[r] - q;
+            loss += diff * diff / (d * d) / 2.0;
+            e[r] = diff / d;
+            wcol[r] = q;
+        }
+        for j in i + 1..count {
+            let hij = hinv[col * n + i1 + j];
+            if hij != 0.0 {
+                let wj = &mut tail[(j - i - 1) * nr..(j - i) * nr];
+                for r in 0..nr {
+                    wj[r] -= e[r] * hij;
+                }
+            }
+        }
+    }
+    for r in 0..nr {
+        for i in 0..count {
+            wm[r * n + i1 + i] = w1[i * nr + r];
+            keep[r * n + i1 + i] = !pruned1[i * nr + r];
+        }
+    }
+    // W[:, i2:] -= Err1 · Hinv[i1:i2, i2:]
+    deco_quant::linalg::lazy_batch_update(wm, nr, n, &err1, i1, i2, hinv);
+    loss
 }

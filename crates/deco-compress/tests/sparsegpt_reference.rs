@@ -120,7 +120,7 @@ fn naive(w: &[f32], rows: usize, n: usize, h: &[f64], pattern: Pattern, block: u
 #[test]
 fn sparsegpt_matches_naive_sequential_obs() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    let (rows, cols, tokens) = (6, 48, 96);
+    let (rows, cols, tokens) = (70, 48, 96); // 70 rows: three parallel row chunks (32, 32, 6)
     let w: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     // Correlated inputs so that the OBS update matters.
     let base: Vec<f32> = (0..tokens * 8).map(|_| rng.random_range(-1.0f32..1.0)).collect();

@@ -132,7 +132,7 @@ pub struct GptqResult {
 /// # Errors
 /// Invalid `bits` / `group_size` (0) / `blocksize` / `damp_percent` / `mse` (negative or not
 /// finite),
-/// shape mismatches, [`Error::NotPositiveDefinite`].
+/// shape mismatches or an empty weight, [`Error::NotPositiveDefinite`].
 pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg: &GptqConfig) -> Result<GptqResult> {
     crate::scheme::check_bits(cfg.bits)?;
     if w.len() != rows * cols || hessian.cols != cols {
@@ -157,7 +157,9 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
         None => cols,
     };
     let grouped = cfg.group_size.is_some();
-    let maxq = (1u32 << cfg.bits) - 1;
+    if rows == 0 || cols == 0 {
+        return Err(Error::Shape(format!("empty weight {rows}x{cols}")));
+    }
     let n = cols;
     let mut wm: Vec<f64> = w.iter().map(|&v| v as f64).collect();
     let mut h = hessian.h.clone();
@@ -209,94 +211,37 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     }
     let hinv = crate::linalg::inverse_upper_cholesky(&h, n)?;
 
-    // Parameters in permuted column order, one (scale, zero) per row for each column's group.
-    let mut cur: Vec<(f32, f32)> = if grouped { vec![(1.0, 0.0); rows] } else { (0..rows).into_par_iter().map(|r| row_params(&wm, r, 0, n)).collect() };
-    let mut group_params: Vec<Vec<(f32, f32)>> = Vec::new();
-    if !grouped {
-        group_params.push(cur.clone());
-    }
-    let mut codes_p = vec![0u8; rows * n];
-    let mut col_group = vec![0u32; n]; // group of permuted column j (dynamic groups)
+    // Group of each permuted column (AutoGPTQ's g_idx before un-permuting).
+    let col_group: Vec<u32> = (0..n)
+        .map(|col| match (&static_params, grouped) {
+            (_, false) => 0,
+            (Some(_), true) => (perm[col] / gs) as u32,
+            (None, true) => (col / gs) as u32,
+        })
+        .collect();
+    // Algorithm 1 treats the rows independently (a row's quantization error only updates its
+    // own later columns; H⁻¹ is shared), so runs of ROW_CHUNK rows go through the whole column
+    // loop in parallel. The chunks are fixed by the shape, not by the thread count, and each
+    // row's arithmetic is the same as in one pass over all rows.
+    let chunks: Vec<RowsOut> = wm
+        .par_chunks_mut(ROW_CHUNK * n)
+        .enumerate()
+        .map(|(ci, wc)| {
+            let r0 = ci * ROW_CHUNK;
+            let nr = wc.len() / n;
+            let sp = static_params.as_ref().map(|sp| sp.iter().map(|g| &g[r0..r0 + nr]).collect::<Vec<_>>());
+            gptq_rows(wc, nr, n, &hinv, cfg, gs, grouped, sp.as_deref(), &col_group, &row_params)
+        })
+        .collect();
+    let mut codes_p = Vec::with_capacity(rows * n);
     let mut loss = 0.0f64;
-    let bs = cfg.blocksize;
-    let mut i1 = 0;
-    while i1 < n {
-        let i2 = (i1 + bs).min(n);
-        let count = i2 - i1;
-        // Block copy, transposed: w1[i][r] = W[r, i1 + i].
-        let mut w1 = vec![0.0f64; count * rows];
-        for r in 0..rows {
-            for i in 0..count {
-                w1[i * rows + r] = wm[r * n + i1 + i];
-            }
+    let mut group_params: Vec<Vec<(f32, f32)>> = vec![Vec::with_capacity(rows); chunks.first().map_or(0, |c| c.params.len())];
+    for c in chunks {
+        codes_p.extend_from_slice(&c.codes);
+        loss += c.loss;
+        for (g, p) in group_params.iter_mut().zip(c.params) {
+            g.extend(p);
         }
-        let mut err1 = vec![0.0f64; count * rows];
-        for i in 0..count {
-            let col = i1 + i;
-            if grouped {
-                if let Some(sp) = &static_params {
-                    let g = perm[col] / gs;
-                    for (r, c) in cur.iter_mut().enumerate() {
-                        *c = sp[g][r];
-                    }
-                    col_group[col] = g as u32;
-                } else {
-                    if col % gs == 0 {
-                        // Rows are independent (one parameter pair each): in parallel, since
-                        // the MSE search costs ~80 quantizations of the group per row.
-                        cur = (0..rows).into_par_iter().map(|r| row_params(&wm, r, col, (col + gs).min(n))).collect();
-                        group_params.push(cur.clone());
-                    }
-                    col_group[col] = (col / gs) as u32;
-                }
-            }
-            let d = hinv[col * n + col];
-            let (head, tail) = w1.split_at_mut((i + 1) * rows);
-            let wcol = &head[i * rows..];
-            let e = &mut err1[i * rows..(i + 1) * rows];
-            for r in 0..rows {
-                let (s, z) = cur[r];
-                let code = quantize_value(wcol[r] as f32, s, z, maxq);
-                codes_p[r * n + col] = code;
-                let q = dequantize_value(code, s, z) as f64;
-                let diff = wcol[r] - q;
-                loss += diff * diff / (d * d) / 2.0;
-                e[r] = diff / d;
-            }
-            for j in i + 1..count {
-                let hij = hinv[col * n + i1 + j];
-                if hij != 0.0 {
-                    let wj = &mut tail[(j - i - 1) * rows..(j - i) * rows];
-                    for r in 0..rows {
-                        wj[r] -= e[r] * hij;
-                    }
-                }
-            }
-        }
-        if i2 < n {
-            // W[:, i2:] -= Err1 · Hinv[i1:i2, i2:]
-            // SAFETY: err1 is [rows, count] with strides (1, rows); hinv rows i1..i2, cols i2..n
-            // with strides (n, 1); wm columns i2..n with strides (n, 1). All in bounds.
-            unsafe {
-                matrixmultiply::dgemm(
-                    rows,
-                    count,
-                    n - i2,
-                    -1.0,
-                    err1.as_ptr(),
-                    1,
-                    rows as isize,
-                    hinv.as_ptr().add(i1 * n + i2),
-                    n as isize,
-                    1,
-                    1.0,
-                    wm.as_mut_ptr().add(i2),
-                    n as isize,
-                    1,
-                );
-            }
-        }
-        i1 = i2;
     }
     let params: Vec<Vec<(f32, f32)>> = match static_params {
         Some(sp) => sp,
@@ -335,4 +280,101 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
         },
         loss,
     })
+}
+
+/// Rows per parallel task of [`gptq_quantize`].
+const ROW_CHUNK: usize = 32;
+
+/// `(scale, zero)` of row `r`'s columns `c0..c1` of a `[rows, n]` weight block.
+type RowParams<'a> = dyn Fn(&[f64], usize, usize, usize) -> (f32, f32) + Sync + 'a;
+
+/// What [`gptq_rows`] returns for its rows.
+struct RowsOut {
+    /// `[nr, n]` codes in permuted column order.
+    codes: Vec<u8>,
+    /// Per group (in order of first use), `nr` (scale, zero) pairs.
+    params: Vec<Vec<(f32, f32)>>,
+    /// The rows' share of [`GptqResult::loss`].
+    loss: f64,
+}
+
+/// Algorithm 1 over `nr` rows `wm` (`[nr, n]`, permuted, dead columns zeroed; updated in
+/// place) with the shared upper factor `hinv` of `H⁻¹`: lazy batches of `cfg.blocksize`
+/// columns, group parameters found when a group's first column is reached (from the weights
+/// as updated by the previous blocks), or taken from `static_params` (`[groups][nr]`) by the
+/// group `col_group[col]` of each permuted column.
+#[allow(clippy::too_many_arguments)] // the shared state of one quantization
+fn gptq_rows(
+    wm: &mut [f64],
+    nr: usize,
+    n: usize,
+    hinv: &[f64],
+    cfg: &GptqConfig,
+    gs: usize,
+    grouped: bool,
+    static_params: Option<&[&[(f32, f32)]]>,
+    col_group: &[u32],
+    row_params: &RowParams<'_>,
+) -> RowsOut {
+    let maxq = (1u32 << cfg.bits) - 1;
+    let mut cur: Vec<(f32, f32)> = if grouped { vec![(1.0, 0.0); nr] } else { (0..nr).map(|r| row_params(wm, r, 0, n)).collect() };
+    let mut params: Vec<Vec<(f32, f32)>> = Vec::new();
+    if !grouped {
+        params.push(cur.clone());
+    }
+    let mut codes = vec![0u8; nr * n];
+    let mut loss = 0.0f64;
+    let bs = cfg.blocksize;
+    let mut w1 = vec![0.0f64; bs.min(n) * nr];
+    let mut err1 = vec![0.0f64; bs.min(n) * nr];
+    let mut i1 = 0;
+    while i1 < n {
+        let i2 = (i1 + bs).min(n);
+        let count = i2 - i1;
+        // Block copy, transposed: w1[i][r] = W[r, i1 + i].
+        for r in 0..nr {
+            for i in 0..count {
+                w1[i * nr + r] = wm[r * n + i1 + i];
+            }
+        }
+        for i in 0..count {
+            let col = i1 + i;
+            if grouped {
+                if let Some(sp) = static_params {
+                    let g = col_group[col] as usize;
+                    for (r, c) in cur.iter_mut().enumerate() {
+                        *c = sp[g][r];
+                    }
+                } else if col % gs == 0 {
+                    cur = (0..nr).map(|r| row_params(wm, r, col, (col + gs).min(n))).collect();
+                    params.push(cur.clone());
+                }
+            }
+            let d = hinv[col * n + col];
+            let (head, tail) = w1.split_at_mut((i + 1) * nr);
+            let wcol = &head[i * nr..];
+            let e = &mut err1[i * nr..(i + 1) * nr];
+            for r in 0..nr {
+                let (s, z) = cur[r];
+                let code = quantize_value(wcol[r] as f32, s, z, maxq);
+                codes[r * n + col] = code;
+                let q = dequantize_value(code, s, z) as f64;
+                let diff = wcol[r] - q;
+                loss += diff * diff / (d * d) / 2.0;
+                e[r] = diff / d;
+            }
+            for j in i + 1..count {
+                let hij = hinv[col * n + i1 + j];
+                if hij != 0.0 {
+                    let wj = &mut tail[(j - i - 1) * nr..(j - i) * nr];
+                    for r in 0..nr {
+                        wj[r] -= e[r] * hij;
+                    }
+                }
+            }
+        }
+        crate::linalg::lazy_batch_update(wm, nr, n, &err1, i1, i2, hinv);
+        i1 = i2;
+    }
+    RowsOut { codes, params, loss }
 }
