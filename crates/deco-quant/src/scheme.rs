@@ -135,9 +135,9 @@ pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: us
         return find_params(values.iter().copied(), bits, sym);
     }
     let maxq = (1u32 << bits) - 1;
-    let err_of = |s: f32, z: f32| -> f64 {
-        values.iter().map(|&x| (dequantize_value(quantize_value(x, s, z, maxq), s, z) as f64 - x as f64).abs().powf(norm)).sum()
-    };
+    // Σ |q(x) − x|^norm, stopped as soon as it reaches the best so far (its terms are
+    // non-negative, so the candidate is already rejected by the strict `e < best`).
+    let err_of = |s: f32, z: f32, best: f64| -> f64 { group_err_bounded(values, s, z, maxq, norm, best) };
     // p = 1 is find_params' own (scale, zero): the fallback if no candidate is finite.
     let (mut best_s, mut best_z) = params_of_range(lo, hi, bits, sym);
     let mut best = f64::INFINITY;
@@ -148,7 +148,7 @@ pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: us
         if !(s1 > 0.0 && s1.is_finite()) {
             continue;
         }
-        let e = err_of(s1, z1);
+        let e = err_of(s1, z1, best);
         if e < best {
             best = e;
             best_s = s1;
@@ -158,10 +158,146 @@ pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: us
     (best_s, best_z)
 }
 
+/// `Σ |dequantize(quantize(x)) − x|^norm` over `values` under `(scale, zero)`, computed in f64
+/// like [`quantize_value`] / [`dequantize_value`] and [`pow_nonneg`]; returns as soon as a
+/// partial sum reaches `bound` (the value returned is then some partial sum `>= bound`).
+///
+/// The terms are the same on every instruction set (no fused multiply-adds, IEEE rounding of
+/// each operation); AVX-512 and AVX2 builds of the same loop only vectorize it.
+pub(crate) fn group_err_bounded(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, bound: f64) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use deco_kernels::quant::Isa;
+        match Isa::detect() {
+            // SAFETY: the CPU has the features the functions are compiled for (Isa::detect).
+            Isa::Avx512 => return unsafe { group_err_avx512(values, scale, zero, maxq, norm, bound) },
+            Isa::Avx2 => return unsafe { group_err_avx2(values, scale, zero, maxq, norm, bound) },
+            Isa::Scalar => {}
+        }
+    }
+    group_err_body(values, scale, zero, maxq, norm, bound)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
+unsafe fn group_err_avx512(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, bound: f64) -> f64 {
+    group_err_body(values, scale, zero, maxq, norm, bound)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_err_avx2(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, bound: f64) -> f64 {
+    group_err_body(values, scale, zero, maxq, norm, bound)
+}
+
+#[inline(always)]
+fn group_err_body(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, bound: f64) -> f64 {
+    const LANES: usize = 8;
+    let (s, z, mq) = (scale as f64, zero as f64, maxq as f64);
+    let mut total = 0.0f64;
+    for block in values.chunks(4 * LANES) {
+        let mut acc = [0.0f64; LANES];
+        let mut it = block.chunks_exact(LANES);
+        for c in &mut it {
+            for l in 0..LANES {
+                acc[l] += err_term(c[l], s, z, mq, norm);
+            }
+        }
+        for (l, &x) in it.remainder().iter().enumerate() {
+            acc[l] += err_term(x, s, z, mq, norm);
+        }
+        total += acc.iter().sum::<f64>();
+        if total >= bound {
+            return total;
+        }
+    }
+    total
+}
+
+/// One term `|dequantize(quantize(x)) − x|^norm` of [`group_err_bounded`].
+#[inline(always)]
+fn err_term(x: f32, s: f64, z: f64, mq: f64, norm: f64) -> f64 {
+    let x = x as f64;
+    let q = ((x / s).round_ties_even() + z).clamp(0.0, mq);
+    // dequantize_value: the exact product rounded once to f32.
+    let d = ((s * (q - z)) as f32 as f64 - x).abs();
+    pow_nonneg(d, norm)
+}
+
+/// `d^p` for `d >= 0` and `p > 0` (0 for `d = 0`, `+inf` on overflow, 0 below 2^-1022),
+/// within `4e-15 + 4e-16·|p log2 d|` relative of libm's `pow` (a few ulps of the result and of
+/// `y = p log2 d`; about 1e-14 for the quantization errors of the MSE search).
+///
+/// `log2 d` from the exponent and `ln m = 2 atanh((m − 1)/(m + 1))` (series to the 17th power,
+/// `m` in `[√½, √2)`), then `2^y` as `2^k · e^{(y − k) ln 2}` (Taylor to the 13th power on
+/// `|y − k| <= ½`). Branch-free, so loops over it vectorize; written without fused
+/// multiply-adds so every instruction set gives the same bits.
+#[inline(always)]
+pub(crate) fn pow_nonneg(d: f64, p: f64) -> f64 {
+    const TWO52: f64 = 4_503_599_627_370_496.0;
+    let bits = d.to_bits();
+    // Biased exponent as a float without an integer conversion (2^52 + e, minus 2^52 + 1023).
+    let e = f64::from_bits((bits >> 52) | 0x4330_0000_0000_0000) - (TWO52 + 1023.0);
+    let m = f64::from_bits((bits & 0x000F_FFFF_FFFF_FFFF) | 0x3FF0_0000_0000_0000);
+    let big = m > std::f64::consts::SQRT_2;
+    let m = if big { m * 0.5 } else { m };
+    let e = if big { e + 1.0 } else { e };
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    let mut poly = 1.0 / 17.0;
+    for c in [1.0 / 15.0, 1.0 / 13.0, 1.0 / 11.0, 1.0 / 9.0, 1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0] {
+        poly = poly * s2 + c;
+    }
+    let ln_m = 2.0 * s * poly;
+    let y = (p * (e + ln_m * std::f64::consts::LOG2_E)).clamp(-1100.0, 1100.0);
+    let k = y.round_ties_even();
+    let t = (y - k) * std::f64::consts::LN_2;
+    // e^t, Taylor: 1 + t + t²/2! + … + t¹³/13!.
+    let mut r = 1.0 / 6_227_020_800.0;
+    for c in [
+        1.0 / 479_001_600.0,
+        1.0 / 39_916_800.0,
+        1.0 / 3_628_800.0,
+        1.0 / 362_880.0,
+        1.0 / 40_320.0,
+        1.0 / 5_040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        r = r * t + c;
+    }
+    // 2^k from its biased exponent k + 1023 in [1, 2046] (the low bits of 2^52 + k + 1023).
+    let kc = k.clamp(-1022.0, 1023.0);
+    let two_k = f64::from_bits((kc + (TWO52 + 1023.0)).to_bits() << 52);
+    let v = r * two_k;
+    let v = if k > 1023.0 { f64::INFINITY } else { v };
+    if k < -1022.0 || d == 0.0 { 0.0 } else { v }
+}
+
+/// `x` rounded to the nearest integer, ties to even, as [`f64::round_ties_even`] (up to the
+/// sign of a zero result): `(x + c) − c` with `c = ±2^52` rounds in the FPU's default mode.
+/// `round_ties_even` itself is a call to libm's `rint` on the baseline x86-64 target (no SSE4.1),
+/// which dominated round-to-nearest quantization loops.
+#[inline(always)]
+pub(crate) fn round_half_even(x: f64) -> f64 {
+    const TWO52: f64 = 4_503_599_627_370_496.0;
+    if x.abs() < TWO52 {
+        let c = TWO52.copysign(x);
+        (x + c) - c
+    } else {
+        x
+    }
+}
+
 /// The code of `x` (AutoGPTQ `quantize`): `clamp(round_half_even(x / scale) + zero, 0, maxq)`.
 #[inline]
 pub fn quantize_value(x: f32, scale: f32, zero: f32, maxq: u32) -> u8 {
-    let q = (x as f64 / scale as f64).round_ties_even() + zero as f64;
+    let q = round_half_even(x as f64 / scale as f64) + zero as f64;
     q.clamp(0.0, maxq as f64) as u8
 }
 
@@ -363,4 +499,63 @@ pub fn quantize_rtn_ragged(w: &[f32], rows: usize, cols: usize, scheme: &Scheme)
 /// As [`quantize_rtn_ragged`].
 pub fn fake_quant_ragged(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<Vec<f32>> {
     Ok(quantize_rtn_ragged(w, rows, cols, scheme)?.dequantize())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn pow_nonneg_matches_libm() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut worst = 0.0f64;
+        for _ in 0..200_000 {
+            // Magnitudes of quantization errors and beyond: 2^-150 .. 2^60.
+            let d = 2f64.powf(rng.random_range(-150.0..60.0)) * rng.random_range(1.0..2.0);
+            let p = [2.4, 2.0, 1.0, 0.5, 3.7][rng.random_range(0..5)];
+            let (got, want) = (pow_nonneg(d, p), d.powf(p));
+            if want > 1e-300 && want.is_finite() {
+                // The rounding of y = p·log2(d) (|y| up to ~360 here) is amplified by ln 2 · |y|:
+                // the error allowed is a few ulps of y plus a few of the result.
+                let tol = 4e-16 * (p * d.log2()).abs() + 4e-15;
+                worst = worst.max(((got - want) / want).abs() / tol);
+            }
+        }
+        assert!(worst < 1.0, "worst relative error {worst} of the tolerance");
+        assert_eq!(pow_nonneg(0.0, 2.4), 0.0);
+        assert_eq!(pow_nonneg(1.0, 2.4), 1.0);
+        assert_eq!(pow_nonneg(2.0, 2.0), 4.0);
+        assert_eq!(pow_nonneg(1e300, 2.4), f64::INFINITY);
+        assert_eq!(pow_nonneg(1e-300, 2.4), 0.0);
+    }
+
+    #[test]
+    fn round_half_even_is_round_ties_even() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut xs: Vec<f64> = vec![0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999999999999994, 4503599627370495.5, -4503599627370495.5, 1e300, -1e300, f64::INFINITY, 0.0, -0.0, 3.0];
+        xs.extend((0..100_000).map(|_| rng.random_range(-300.0..300.0)));
+        xs.extend((0..1000).map(|i| i as f64 * 0.5 - 250.0));
+        for x in xs {
+            let (got, want) = (round_half_even(x), x.round_ties_even());
+            assert!(got == want, "{x}: {got} vs {want}");
+        }
+        assert!(round_half_even(f64::NAN).is_nan());
+    }
+
+    #[test]
+    fn bounded_group_error_is_the_sum_or_stops_past_the_bound() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        for n in [1usize, 7, 8, 31, 32, 33, 128, 300] {
+            let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let (s, z) = find_params(v.iter().copied(), 4, false);
+            let want: f64 = v.iter().map(|&x| (dequantize_value(quantize_value(x, s, z, 15), s, z) as f64 - x as f64).abs().powf(2.4)).sum();
+            let got = group_err_bounded(&v, s, z, 15, 2.4, f64::INFINITY);
+            assert!((got - want).abs() <= 1e-13 * want, "n {n}: {got} vs {want}");
+            let half = group_err_bounded(&v, s, z, 15, 2.4, want / 2.0);
+            assert!(half >= want / 2.0 && half <= got * (1.0 + 1e-13), "n {n}: stopped at {half}");
+        }
+    }
 }
