@@ -11,7 +11,7 @@ use burn::tensor::Device;
 use deco_formats::checkpoint::Checkpoint;
 use deco_formats::tokenizer::Tokenizer;
 use deco_formats::gguf::GgufFile;
-use deco_model::calibrate::{Calibrator, LayerWeights};
+use deco_model::calibrate::{Calibrator, LayerWeights, Linear};
 use deco_model::decoder::NoHook;
 use deco_model::host::to_host;
 use deco_model::{DenseKvCache, Llama, LogitsWanted, SeqInput};
@@ -58,6 +58,41 @@ fn calibrator_matches_float64_reference() {
     assert!(err0 <= 2e-3 && err1 <= 2e-3, "max logit error {err0} / {err1}");
     assert!(Calibrator::new(cfg, &dev, &[]).is_err());
     assert!(calibration_windows(&[1, 2, 3], 4, 8, 0).is_err());
+}
+
+/// `Calibrator::upload_replacing` (AWQ's candidates) gives the same layer as uploading the
+/// modified weights from scratch: same attention and MLP outputs, bit for bit.
+#[test]
+fn upload_replacing_equals_a_fresh_upload() {
+    let ck = ckpt();
+    let dev = device();
+    let g = golden();
+    let cfg = &ck.config;
+    let windows = vec![ids(&g.prompts[0]["ids"]), ids(&g.prompts[1]["ids"])];
+    let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
+    let c = Calibrator::new(cfg, &dev, &lens).unwrap();
+    let (_, embed) = ck.tensor("model.embed_tokens.weight").unwrap();
+    let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ck.tensor(n)?) };
+    let lw = LayerWeights::fetch(cfg, 0, &src).unwrap();
+    let x = c.embed(&embed, &windows).unwrap();
+    let base = c.upload(&lw);
+    let k2: Vec<f32> = lw.linear(Linear::K).iter().map(|v| v * 1.5).collect();
+    let up2: Vec<f32> = lw.linear(Linear::Up).iter().map(|v| v * 0.5).collect();
+    let mut changed = lw.clone();
+    changed.linear_mut(Linear::K).clone_from(&k2);
+    changed.linear_mut(Linear::Up).clone_from(&up2);
+    let fresh = c.upload(&changed);
+    let replaced = c.upload_replacing(&base, &lw, &[(Linear::K, &k2), (Linear::Up, &up2)]);
+    let run = |d: &deco_model::decoder::DecoderLayer| -> Vec<f32> {
+        let xn = c.attn_in(d, x.clone());
+        let a = c.attention(d, xn).unwrap();
+        let x2 = c.attn_residual(d, x.clone(), a).unwrap();
+        let h = c.swiglu_out(d, c.mlp_in(d, x2.clone())).unwrap();
+        to_host(c.mlp_residual(d, x2, h).unwrap()).unwrap()
+    };
+    let (want, got, old) = (run(&fresh), run(&replaced), run(&base));
+    assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "upload_replacing differs from a fresh upload");
+    assert!(want != old, "the replaced linears changed nothing");
 }
 
 fn log_softmax(row: &[f32]) -> Vec<f32> {

@@ -73,10 +73,13 @@ impl PrunedModel {
     }
 }
 
-/// `xᵀx` of a `[tokens, cols]` device tensor, as f64 on the host.
+/// `xᵀx` of a `[tokens, cols]` device tensor, as f64 on the host (GPTQ's
+/// [`deco_quant::pipeline::gram`]).
+///
+/// # Errors
+/// A failed device read.
 pub fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
-    let g = x.clone().transpose().matmul(x.clone());
-    Ok(to_host(g)?.iter().map(|&v| v as f64).collect())
+    Ok(deco_quant::pipeline::gram(x)?)
 }
 
 /// Per-column `Σ_t x_tj²` of a `[tokens, cols]` device tensor.

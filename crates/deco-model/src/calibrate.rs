@@ -244,6 +244,36 @@ impl Calibrator {
         }
     }
 
+    /// `base` (an [`Calibrator::upload`] of `w`) with the linears of `parts` replaced by the given
+    /// `[out, in]` weights: only the fused groups (Q/K/V, O, gate/up, down) that hold a replaced
+    /// linear are rebuilt, the others are shared with `base`. For searches that try many
+    /// candidates for a few linears (AWQ's scale grid).
+    ///
+    /// # Panics
+    /// Never for parts of the shapes [`Linear::dims`] gives (the fused weight is built from
+    /// them).
+    pub fn upload_replacing(&self, base: &DecoderLayer, w: &LayerWeights, parts: &[(Linear, &[f32])]) -> DecoderLayer {
+        let cfg = &self.cfg;
+        let d = &self.device;
+        let get = |l: Linear| -> &[f32] { parts.iter().find(|p| p.0 == l).map_or_else(|| w.linear(l), |p| p.1) };
+        let fused = |ls: &[Linear], old: &LinearWeight| -> LinearWeight {
+            if !ls.iter().any(|l| parts.iter().any(|p| p.0 == *l)) {
+                return old.clone();
+            }
+            let ws: Vec<(&[f32], usize)> = ls.iter().map(|&l| (get(l), l.dims(cfg).0)).collect();
+            LinearWeight::dense_fused(&ws, ls[0].dims(cfg).1, d)
+        };
+        DecoderLayer {
+            attn_norm: base.attn_norm.clone(),
+            wqkv: fused(&[Linear::Q, Linear::K, Linear::V], &base.wqkv),
+            bqkv: base.bqkv.clone(),
+            wo: fused(&[Linear::O], &base.wo),
+            ffn_norm: base.ffn_norm.clone(),
+            w_gate_up: fused(&[Linear::Gate, Linear::Up], &base.w_gate_up),
+            w_down: fused(&[Linear::Down], &base.w_down),
+        }
+    }
+
     fn pass(&self) -> Pass<'_> {
         Pass { cfg: &self.cfg, rope: &self.rope, positions: &self.positions }
     }

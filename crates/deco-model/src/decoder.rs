@@ -163,8 +163,38 @@ pub struct WindowAttention<'a> {
     pub spans: &'a [(usize, usize)],
 }
 
+impl WindowAttention<'_> {
+    /// The fused CPU kernel over every window at once: token `j` of a window is a decode query
+    /// over the window's first `j + 1` keys (one [`deco_kernels::attention::paged_decode_attention`]
+    /// call reading the token matrix in place, parallel over all tokens of all windows; the
+    /// prefill of [`crate::Llama`] computes causal attention the same way).
+    fn attend_host(&self, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>) -> Result<Tensor<2>> {
+        use deco_kernels::attention::{AttnShape, SeqKv, paged_decode_attention};
+        let [n, heads, hd] = q.dims();
+        let [_, kvh, _] = k.dims();
+        let kvrow = kvh * hd;
+        let device = q.device();
+        let (qh, kh, vh) = (crate::host::to_host(q)?, crate::host::to_host(k)?, crate::host::to_host(v)?);
+        let table = [0u32];
+        let mut views = Vec::with_capacity(n);
+        for &(s, len) in self.spans {
+            let (kw, vw) = (&kh[s * kvrow..(s + len) * kvrow], &vh[s * kvrow..(s + len) * kvrow]);
+            views.extend((1..=len).map(|l| SeqKv { k: kw, v: vw, block_table: &table, block_size: len, len: l }));
+        }
+        let mut out = vec![0.0f32; n * heads * hd];
+        paged_decode_attention(&qh, AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd }, &views, &mut out)
+            .map_err(|e| Error::InvalidInput(format!("window attention: {e}")))?;
+        Ok(Tensor::from_data(TensorData::new(out, [n, heads * hd]), &device))
+    }
+}
+
 impl Attend for WindowAttention<'_> {
     fn attend(&mut self, _layer: usize, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>) -> Result<Tensor<2>> {
+        let [n, _, _] = q.dims();
+        let covered = self.spans.iter().map(|s| s.1).sum::<usize>() == n && self.spans.iter().all(|&(s, l)| l > 0 && s + l <= n);
+        if covered && q.device() == Device::flex() && !q.device().is_autodiff() {
+            return self.attend_host(q, k, v);
+        }
         if let [(0, _)] = self.spans {
             return Ok(causal_gqa_attention(q, k, v, 0));
         }

@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, HashMap};
 use burn::tensor::{Device, Tensor};
 use deco_formats::config::ModelConfig;
 use deco_model::calibrate::{Calibrator, LayerWeights, Linear, Site};
+use deco_model::decoder::DecoderLayer;
 use deco_model::host::to_host;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -147,7 +148,18 @@ pub fn calibration_windows(tokens: &[u32], nsamples: usize, seqlen: usize, seed:
         .collect())
 }
 
-fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
+/// `xᵀx` (`[cols, cols]`, f64 on the host) of a `[tokens, cols]` calibration tensor, for the
+/// Hessians of GPTQ and SparseGPT: on the CPU through the half-work symmetric kernel
+/// ([`deco_kernels::dense::gram`]), on a GPU as a device matmul.
+///
+/// # Errors
+/// A failed device read.
+pub fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
+    if x.device() == Device::flex() {
+        let [n, cols] = x.dims();
+        let g = deco_kernels::dense::gram(&to_host(x.clone())?, n, cols).map_err(|e| Error::Calibration(format!("Gram matrix: {e}")))?;
+        return Ok(g.iter().map(|&v| v as f64).collect());
+    }
     let g = x.clone().transpose().matmul(x.clone());
     Ok(to_host(g)?.iter().map(|&v| v as f64).collect())
 }
@@ -263,45 +275,38 @@ fn awq_layer(
     let x = &rows_of(x);
     let st = &Stages { xn: rows_of(&st.xn), att: rows_of(&st.att), x2: rows_of(&st.x2), xn2: rows_of(&st.xn2), h: rows_of(&st.h), y: rows_of(&st.y) };
     let c = sub;
-    let search = |ls: &[Linear], x_host: &[f32], cols: usize, loss: &mut dyn FnMut(&LayerWeights) -> Result<f64>| -> Result<Vec<f32>> {
+    // The searches below run on the unscaled layer: each candidate replaces only the linears it
+    // scales, and only their fused weights are uploaded again.
+    let base = c.upload(lw);
+    let lw_ref: &LayerWeights = lw;
+    let search = |ls: &[Linear], x_host: &[f32], cols: usize, loss: &mut dyn FnMut(&DecoderLayer) -> Result<f64>| -> Result<Vec<f32>> {
         let m = act_mean_abs(x_host, n, cols);
-        let ws: Vec<(&[f32], usize)> = ls.iter().map(|&l| (lw.linear(l), l.dims(cfg).0)).collect();
+        let ws: Vec<(&[f32], usize)> = ls.iter().map(|&l| (lw_ref.linear(l), l.dims(cfg).0)).collect();
         let mut block = |qs: &[Vec<f32>]| -> Result<f64> {
-            let mut cand = lw.clone();
-            for (&l, q) in ls.iter().zip(qs) {
-                cand.linear_mut(l).clone_from(q);
-            }
-            loss(&cand)
+            let parts: Vec<(Linear, &[f32])> = ls.iter().zip(qs).map(|(&l, q)| (l, q.as_slice())).collect();
+            loss(&c.upload_replacing(&base, lw_ref, &parts))
         };
         Ok(search_scale(&m, &ws, cols, scheme, a.n_grid, &mut block)?.scales)
     };
     // 1. q/k/v through input_layernorm; objective: the attention block output.
-    let s_qkv = search(&[Linear::Q, Linear::K, Linear::V], &xn_h, hid, &mut |cand| {
-        let d = c.upload(cand);
-        let a2 = c.attention(&d, st.xn.clone())?;
-        mse(&c.attn_residual(&d, x.clone(), a2)?, &st.x2)
+    let s_qkv = search(&[Linear::Q, Linear::K, Linear::V], &xn_h, hid, &mut |d| {
+        let a2 = c.attention(d, st.xn.clone())?;
+        mse(&c.attn_residual(d, x.clone(), a2)?, &st.x2)
     })?;
     // 2. o through v_proj (only when v_proj's output is o_proj's input: no GQA).
     let v_out = Linear::V.dims(cfg).0;
     let s_o = if v_out == qd {
-        Some(search(&[Linear::O], &att_h, qd, &mut |cand| {
-            let d = c.upload(cand);
-            mse(&c.attn_residual(&d, x.clone(), st.att.clone())?, &st.x2)
-        })?)
+        Some(search(&[Linear::O], &att_h, qd, &mut |d| mse(&c.attn_residual(d, x.clone(), st.att.clone())?, &st.x2))?)
     } else {
         None
     };
     // 3. gate/up through post_attention_layernorm; objective: the MLP output.
-    let s_mlp = search(&[Linear::Gate, Linear::Up], &xn2_h, hid, &mut |cand| {
-        let d = c.upload(cand);
-        let hc = c.swiglu_out(&d, st.xn2.clone())?;
-        mse(&c.mlp_residual(&d, st.x2.clone(), hc)?, &st.y)
+    let s_mlp = search(&[Linear::Gate, Linear::Up], &xn2_h, hid, &mut |d| {
+        let hc = c.swiglu_out(d, st.xn2.clone())?;
+        mse(&c.mlp_residual(d, st.x2.clone(), hc)?, &st.y)
     })?;
     // 4. down through up_proj; objective: down_proj's output.
-    let s_down = search(&[Linear::Down], &h_h, inter, &mut |cand| {
-        let d = c.upload(cand);
-        mse(&c.mlp_residual(&d, st.x2.clone(), st.h.clone())?, &st.y)
-    })?;
+    let s_down = search(&[Linear::Down], &h_h, inter, &mut |d| mse(&c.mlp_residual(d, st.x2.clone(), st.h.clone())?, &st.y))?;
     // apply_scale: norm / s (input side), weight columns · s.
     for (n, s) in lw.attn_norm.iter_mut().zip(&s_qkv) {
         *n /= s;
