@@ -37,6 +37,12 @@ pub enum Target {
     /// AutoDeco head directories: autodeco_config.json and autodeco_heads.safetensors.
     #[value(name = "autodeco_heads")]
     AutodecoHeads,
+    /// Medusa head directories: config.json and medusa_lm_head.safetensors.
+    #[value(name = "medusa_heads")]
+    MedusaHeads,
+    /// PEFT LoRA adapter directories: adapter_config.json and adapter_model.safetensors.
+    #[value(name = "lora_adapter")]
+    LoraAdapter,
 }
 
 impl Target {
@@ -48,6 +54,8 @@ impl Target {
             Target::HfTokenizer => "hf_tokenizer",
             Target::OpenaiRequest => "openai_request",
             Target::AutodecoHeads => "autodeco_heads",
+            Target::MedusaHeads => "medusa_heads",
+            Target::LoraAdapter => "lora_adapter",
         }
     }
 
@@ -60,6 +68,8 @@ impl Target {
             Target::HfTokenizer => 65_536,
             Target::OpenaiRequest => 16_384,
             Target::AutodecoHeads => 16_384,
+            Target::MedusaHeads => 16_384,
+            Target::LoraAdapter => 16_384,
         }
     }
 }
@@ -207,7 +217,7 @@ fn seed(o: &Options, root: &Path, corpus: &Path) -> Result<()> {
         }
         Target::HfTokenizer => seed_tokenizers(o, corpus)?,
         Target::AutodecoHeads => seed_heads(root, corpus)?,
-        Target::ChatTemplate | Target::OpenaiRequest => {
+        Target::ChatTemplate | Target::OpenaiRequest | Target::MedusaHeads | Target::LoraAdapter => {
             let seeds = root.join("fuzz/seeds").join(o.target.name());
             for e in fs::read_dir(&seeds).with_context(|| format!("cannot list {}", seeds.display()))? {
                 let p = e?.path();
