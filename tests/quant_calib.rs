@@ -29,6 +29,18 @@ fn device() -> Device {
     deco_kernels::select_device("flex").expect("flex device")
 }
 
+/// The golden file's first two prompts as two calibration windows: their calibrator, the
+/// windows and the embedding matrix.
+fn golden_windows() -> (Calibrator, Vec<Vec<u32>>, Vec<f32>) {
+    let ck = ckpt();
+    let g = golden();
+    let windows = vec![ids(&g.prompts[0]["ids"]), ids(&g.prompts[1]["ids"])];
+    let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
+    let c = Calibrator::new(&ck.config, &device(), &lens).unwrap();
+    let (_, embed) = ck.tensor("model.embed_tokens.weight").unwrap();
+    (c, windows, embed)
+}
+
 /// The calibrator runs the one decoder layer (`deco_model::decoder::Pass`) over windows without
 /// a cache; its logits are checked against the independent float64 reference: every position of
 /// prompt 0 and the last position of prompt 1, both windows in one pass.
@@ -38,10 +50,8 @@ fn calibrator_matches_float64_reference() {
     let dev = device();
     let g = golden();
     let cfg = &ck.config;
-    let windows = vec![ids(&g.prompts[0]["ids"]), ids(&g.prompts[1]["ids"])];
+    let (c, windows, embed) = golden_windows();
     let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
-    let c = Calibrator::new(cfg, &dev, &lens).unwrap();
-    let (_, embed) = ck.tensor("model.embed_tokens.weight").unwrap();
     let (_, norm) = ck.tensor("model.norm.weight").unwrap();
     let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ck.tensor(n)?) };
     let mut layers = |li: usize| LayerWeights::fetch(cfg, li, &src);
@@ -65,13 +75,8 @@ fn calibrator_matches_float64_reference() {
 #[test]
 fn upload_replacing_equals_a_fresh_upload() {
     let ck = ckpt();
-    let dev = device();
-    let g = golden();
     let cfg = &ck.config;
-    let windows = vec![ids(&g.prompts[0]["ids"]), ids(&g.prompts[1]["ids"])];
-    let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
-    let c = Calibrator::new(cfg, &dev, &lens).unwrap();
-    let (_, embed) = ck.tensor("model.embed_tokens.weight").unwrap();
+    let (c, windows, embed) = golden_windows();
     let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ck.tensor(n)?) };
     let lw = LayerWeights::fetch(cfg, 0, &src).unwrap();
     let x = c.embed(&embed, &windows).unwrap();

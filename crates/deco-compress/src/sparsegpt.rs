@@ -207,15 +207,7 @@ fn block_rows(
             e[r] = diff / d;
             wcol[r] = q;
         }
-        for j in i + 1..count {
-            let hij = hinv[col * n + i1 + j];
-            if hij != 0.0 {
-                let wj = &mut tail[(j - i - 1) * nr..(j - i) * nr];
-                for r in 0..nr {
-                    wj[r] -= e[r] * hij;
-                }
-            }
-        }
+        deco_quant::linalg::block_column_update(tail, e, &hinv[col * n + i1 + i + 1..col * n + i2]);
     }
     for r in 0..nr {
         for i in 0..count {

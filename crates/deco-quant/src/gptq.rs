@@ -363,15 +363,7 @@ fn gptq_rows(
                 loss += diff * diff / (d * d) / 2.0;
                 e[r] = diff / d;
             }
-            for j in i + 1..count {
-                let hij = hinv[col * n + i1 + j];
-                if hij != 0.0 {
-                    let wj = &mut tail[(j - i - 1) * nr..(j - i) * nr];
-                    for r in 0..nr {
-                        wj[r] -= e[r] * hij;
-                    }
-                }
-            }
+            crate::linalg::block_column_update(tail, e, &hinv[col * n + i1 + i + 1..col * n + i2]);
         }
         crate::linalg::lazy_batch_update(wm, nr, n, &err1, i1, i2, hinv);
         i1 = i2;

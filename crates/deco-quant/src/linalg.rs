@@ -194,6 +194,26 @@ pub fn inverse_upper_cholesky(a: &[f64], n: usize) -> Result<Vec<f64>> {
     Ok(r)
 }
 
+/// The update inside a block of GPTQ / SparseGPT after column `i` of the block is fixed:
+/// `W[:, j] -= e · U[col, j]` for the block's later columns `j`, stored column by column in
+/// `rest` (`nr` rows each, column `i + 1` first), with `e` the column's `nr` scaled errors and
+/// `u` the matching part of `U`'s row `col` (one entry per column of `rest`; zeros are skipped).
+///
+/// # Panics
+/// If `rest` does not hold `u.len()` columns of `e.len()` rows (an internal invariant of the
+/// callers).
+pub fn block_column_update(rest: &mut [f64], e: &[f64], u: &[f64]) {
+    let nr = e.len();
+    assert!(rest.len() >= u.len() * nr, "block_column_update: shapes");
+    for (wj, &hij) in rest.chunks_exact_mut(nr.max(1)).zip(u) {
+        if hij != 0.0 {
+            for (w, &er) in wj.iter_mut().zip(e) {
+                *w -= er * hij;
+            }
+        }
+    }
+}
+
 /// The lazy batch update of GPTQ / SparseGPT after a block of columns `i1..i2`:
 /// `W[:, i2..] -= E · U[i1..i2, i2..]` for the `nr` rows of `wm` (`[nr, n]`, row-major), with
 /// `err` the block's scaled errors stored column by column (`err[i · nr + r]` for row `r`,
