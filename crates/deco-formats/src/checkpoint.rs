@@ -30,11 +30,31 @@ enum Source {
     Safetensors {
         /// HF tensor name -> shard file.
         index: BTreeMap<String, PathBuf>,
-        /// Memory-mapped shards.
-        shards: BTreeMap<PathBuf, memmap2::Mmap>,
+        /// Memory-mapped shards with their headers, parsed once at open.
+        shards: BTreeMap<PathBuf, Shard>,
         /// Quantization settings of a GPTQ / AWQ / compressed-tensors directory.
         quant: Option<QuantConfig>,
     },
+}
+
+/// One memory-mapped safetensors file and its header. The header is parsed and validated
+/// (offsets contiguous, sizes matching dtype x shape, data ending at the end of the file) once,
+/// when the checkpoint is opened; tensors are then sliced out of the map without parsing again.
+struct Shard {
+    mmap: memmap2::Mmap,
+    /// Byte offset of the data section (8 + header length).
+    data_start: usize,
+    meta: safetensors::tensor::Metadata,
+}
+
+impl Shard {
+    /// The stored form of `name`, or `None` when this shard has no such tensor.
+    fn raw(&self, name: &str) -> Option<RawTensor<'_>> {
+        let info = self.meta.info(name)?;
+        let (s, e) = info.data_offsets;
+        let data = self.mmap.get(self.data_start.checked_add(s)?..self.data_start.checked_add(e)?)?;
+        Some(RawTensor { dtype: info.dtype, shape: info.shape.clone(), data })
+    }
 }
 
 /// An opened checkpoint with its configuration.
@@ -229,15 +249,15 @@ impl Checkpoint {
             let file = std::fs::File::open(&f).map_err(|e| Error::io(&f, e))?;
             // SAFETY: read-only map of a model file that deco does not modify while open.
             let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&f, e))?;
-            let (_, header) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| Error::Invalid {
+            let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| Error::Invalid {
                 path: f.clone(),
                 format: "safetensors",
                 msg: e.to_string(),
             })?;
-            for name in header.tensors().keys() {
+            for name in meta.tensors().keys() {
                 index.insert(name.clone(), f.clone());
             }
-            shards.insert(f, mmap);
+            shards.insert(f, Shard { mmap, data_start: 8 + n, meta });
         }
         Ok(Self { path: dir.to_path_buf(), config, source: Source::Safetensors { index, shards, quant } })
     }
@@ -278,7 +298,7 @@ impl Checkpoint {
     fn dequantize_packed(
         &self,
         index: &BTreeMap<String, PathBuf>,
-        shards: &BTreeMap<PathBuf, memmap2::Mmap>,
+        shards: &BTreeMap<PathBuf, Shard>,
         quant: &QuantConfig,
         hf_name: &str,
         prefix: &str,
@@ -290,27 +310,14 @@ impl Checkpoint {
     fn decode_packed(
         &self,
         index: &BTreeMap<String, PathBuf>,
-        shards: &BTreeMap<PathBuf, memmap2::Mmap>,
+        shards: &BTreeMap<PathBuf, Shard>,
         quant: &QuantConfig,
         hf_name: &str,
         prefix: &str,
     ) -> Result<crate::quantized::IntLinear> {
         let not_found = || Error::TensorNotFound { path: self.path.clone(), name: hf_name.to_string() };
         let shape = hf_expected_shape(&self.config, hf_name).filter(|s| s.len() == 2).ok_or_else(not_found)?;
-        let mut parsed = BTreeMap::new();
-        for (f, mmap) in shards {
-            let st = safetensors::SafeTensors::deserialize(mmap).map_err(|e| Error::Invalid {
-                path: f.clone(),
-                format: "safetensors",
-                msg: e.to_string(),
-            })?;
-            parsed.insert(f.clone(), st);
-        }
-        let get = |name: &str| -> Option<RawTensor<'_>> {
-            let st = parsed.get(index.get(name)?)?;
-            let v = st.tensor(name).ok()?;
-            Some(RawTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data() })
-        };
+        let get = |name: &str| -> Option<RawTensor<'_>> { shards.get(index.get(name)?)?.raw(name) };
         crate::quantized::decode(&get, quant, prefix, shape[0], shape[1], &self.path)
     }
 
@@ -369,15 +376,9 @@ impl Checkpoint {
                     return self.dequantize_packed(index, shards, q, hf_name, prefix);
                 }
                 let file = index.get(hf_name).ok_or_else(not_found)?;
-                let mmap = shards.get(file).ok_or_else(not_found)?;
-                let st = safetensors::SafeTensors::deserialize(mmap).map_err(|e| Error::Invalid {
-                    path: file.clone(),
-                    format: "safetensors",
-                    msg: e.to_string(),
-                })?;
-                let view = st.tensor(hf_name).map_err(|_| not_found())?;
-                let bytes = view.data();
-                let data: Vec<f32> = match view.dtype() {
+                let view = shards.get(file).and_then(|sh| sh.raw(hf_name)).ok_or_else(not_found)?;
+                let bytes = view.data;
+                let data: Vec<f32> = match view.dtype {
                     safetensors::Dtype::F32 => bytes
                         .chunks_exact(4)
                         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -398,7 +399,7 @@ impl Checkpoint {
                         });
                     }
                 };
-                (view.shape().to_vec(), data)
+                (view.shape, data)
             }
         };
         if let Some(expected) = hf_expected_shape(&self.config, hf_name)
