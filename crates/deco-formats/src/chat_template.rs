@@ -22,7 +22,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use minijinja::value::{Kwargs, Value, ValueKind};
-use minijinja::{Environment, ErrorKind};
+use minijinja::{Environment, ErrorKind, State};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -87,12 +87,19 @@ fn template_error(what: &str, e: &minijinja::Error) -> Error {
     Error::ChatTemplate(msg)
 }
 
-/// Instruction budget of one render (minijinja "fuel": about one unit per template
-/// instruction). A hostile template (nested loops, runaway recursion through macros) stops
-/// with an error instead of running for minutes or growing its output without bound; the
-/// real templates deco ships use ~100-300 units per message, so this allows conversations of
-/// tens of thousands of messages (measured in the tests).
-pub const RENDER_FUEL: u64 = 20_000_000;
+/// Budget of one render (minijinja "fuel"): one unit per template instruction, plus one per 64
+/// bytes or 2 list slots an operation produces and one per 2 items a filter visits, checked
+/// before the allocation where the size is known. A hostile template (nested loops, runaway
+/// macro recursion, a string or list doubled in a loop) stops with an "out of fuel" error
+/// instead of running for minutes or exhausting memory: the data a render can produce is
+/// bounded by 64 x this many bytes (128 MiB). The real templates deco is tested with use about
+/// 50 units per message: 20,000 messages render through each of them (measured in the tests).
+pub const RENDER_FUEL: u64 = 2_000_000;
+
+/// Stack size of the thread a render runs on, in bytes (virtual: pages are only committed as
+/// they are used). Nesting is bounded by [`RENDER_FUEL`] (each level costs a few instructions),
+/// and dropping or iterating a nested value recurses once per level.
+pub const RENDER_STACK_BYTES: usize = 512 << 20;
 
 impl ChatTemplate {
     /// Compiles a Jinja chat template (e.g. `tokenizer.chat_template` from GGUF metadata or
@@ -173,7 +180,17 @@ impl ChatTemplate {
         }
         let ctx = Value::from_pairs(ctx);
         let tmpl = self.env.get_template(NAME).map_err(|e| template_error("render error", &e))?;
-        tmpl.render(ctx).map_err(|e| template_error("render error", &e))
+        // On a thread of its own with a large stack: dropping or iterating a value nested N deep
+        // recurses N deep, and the budget lets a template nest lists a few hundred thousand deep.
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, move || tmpl.render(ctx).map_err(|e| template_error("render error", &e)))
+                .map_err(|e| Error::ChatTemplate(format!("cannot start the render thread: {e}")))?
+                .join()
+                .map_err(|_| Error::ChatTemplate("the template engine panicked".into()))?
+        })
     }
 }
 
@@ -266,9 +283,18 @@ pub fn strftime_utc(format: &str, unix_secs: u64) -> String {
 /// Widest `tojson(indent=...)` accepted (real templates use 2 or 4).
 const MAX_TOJSON_INDENT: usize = 64;
 
+/// Deepest nesting `tojson` serializes (Python's `json.dumps` raises `RecursionError` near its
+/// recursion limit of 1000).
+pub const MAX_TOJSON_DEPTH: usize = 512;
+
 /// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=None,
 /// separators=None, sort_keys=False)` with those keyword arguments accepted.
-fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
+///
+/// The work is charged to the render budget as it goes (one fuel per value visited, one per 4
+/// bytes written, minijinja's rate for serialized output), and nesting deeper than
+/// [`MAX_TOJSON_DEPTH`] is an error (Python raises `RecursionError`), so a template cannot make it
+/// serialize a lazily doubled sequence of 2^32 items or overflow the stack.
+fn tojson(state: &State, value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let indent: Option<Value> = kwargs.get("indent")?;
     let separators: Option<Vec<String>> = kwargs.get("separators")?;
@@ -306,9 +332,10 @@ fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja
         item_sep,
         key_sep,
         sort_keys: sort_keys.unwrap_or(false),
+        charged: std::cell::Cell::new(0),
     };
     let mut out = String::new();
-    py_json(value, &opts, 0, &mut out)?;
+    py_json(state, value, &opts, 0, &mut out)?;
     Ok(Value::from_safe_string(out))
 }
 
@@ -318,6 +345,8 @@ struct JsonOpts {
     item_sep: String,
     key_sep: String,
     sort_keys: bool,
+    /// Output length already charged to the render budget.
+    charged: std::cell::Cell<usize>,
 }
 
 fn newline_indent(opts: &JsonOpts, level: usize, out: &mut String) {
@@ -330,7 +359,11 @@ fn newline_indent(opts: &JsonOpts, level: usize, out: &mut String) {
 }
 
 /// Python `json.dumps` of a template value.
-fn py_json(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> std::result::Result<(), minijinja::Error> {
+fn py_json(state: &State, v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> std::result::Result<(), minijinja::Error> {
+    if level > MAX_TOJSON_DEPTH {
+        return Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: nesting deeper than {MAX_TOJSON_DEPTH}")));
+    }
+    charge(state, opts, out, 1)?;
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -348,6 +381,7 @@ fn py_json(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> std::r
             py_json_str(&s, opts.ensure_ascii, out);
         }
         ValueKind::Map => {
+            state.consume_fuel(v.len().unwrap_or(0) as u64)?;
             let mut keys: Vec<Value> = v.try_iter()?.collect();
             if keys.is_empty() {
                 out.push_str("{}");
@@ -370,24 +404,24 @@ fn py_json(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> std::r
                 };
                 py_json_str(&key, opts.ensure_ascii, out);
                 out.push_str(&opts.key_sep);
-                py_json(&v.get_item(k)?, opts, level + 1, out)?;
+                py_json(state, &v.get_item(k)?, opts, level + 1, out)?;
             }
             newline_indent(opts, level, out);
             out.push('}');
         }
         ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
+            // Streamed, not collected: the sequence may be a lazy concatenation far longer
+            // than the budget allows to visit.
+            let mut empty = true;
+            for item in v.try_iter()? {
+                out.push_str(if empty { "[" } else { &opts.item_sep });
+                empty = false;
+                newline_indent(opts, level + 1, out);
+                py_json(state, &item, opts, level + 1, out)?;
+            }
+            if empty {
                 out.push_str("[]");
                 return Ok(());
-            }
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&opts.item_sep);
-                }
-                newline_indent(opts, level + 1, out);
-                py_json(item, opts, level + 1, out)?;
             }
             newline_indent(opts, level, out);
             out.push(']');
@@ -399,7 +433,14 @@ fn py_json(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> std::r
             ));
         }
     }
-    Ok(())
+    charge(state, opts, out, 0)
+}
+
+/// Charges `fuel` plus the bytes written since the last charge (4 per fuel).
+fn charge(state: &State, opts: &JsonOpts, out: &str, fuel: u64) -> std::result::Result<(), minijinja::Error> {
+    let new = out.len().saturating_sub(opts.charged.get());
+    opts.charged.set(out.len());
+    state.consume_fuel(fuel + new as u64 / 4)
 }
 
 /// Python `json` string encoding.

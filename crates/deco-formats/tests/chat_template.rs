@@ -185,6 +185,84 @@ fn hostile_templates_stop_with_an_error() {
     assert!(err.to_string().contains("indent"), "{err}");
 }
 
+/// Doubling in a loop (`ns.s = ns.s ~ ns.s`, `ns.l = ns.l + ns.l`, `replace`) would need 2^100
+/// bytes in a few hundred instructions. minijinja charges fuel for every byte and list slot an
+/// operator produces, checked before it allocates, and deco's patch charges the slots of a lazy
+/// list concatenation when it is materialized (third_party/README.md), so each render stops with
+/// "out of fuel" once the budget's bytes are spent instead of exhausting memory.
+#[test]
+fn doubling_stops_at_the_render_budget() {
+    let lazy = "{% set ns = namespace(l=[1]) %}{% for i in range(100) %}{% set ns.l = ns.l + ns.l %}{% endfor %}";
+    for src in [
+        "{% set ns = namespace(s='x') %}{% for i in range(100) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(100) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+        "{% set ns = namespace(s='xy') %}{% for i in range(100) %}{% set ns.s = ns.s|replace('x', ns.s) %}{% endfor %}{{ ns.s|length }}",
+        &format!("{lazy}{{{{ ns.l|length }}}}"),
+        "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = ns.l + ns.l|select %}{% endfor %}{{ ns.l|length }}",
+    ] {
+        let t = ChatTemplate::new(src).expect("compiles");
+        let start = std::time::Instant::now();
+        let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("must not render");
+        assert!(err.to_string().contains("fuel"), "{src}: {err}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(5), "{src}: took {:?}", start.elapsed());
+    }
+}
+
+/// A list doubled 30 times is lazy (2^30 items, a few bytes of memory); whatever consumes it
+/// is bounded: the filters that visit items run out of fuel, `tojson` is charged per item, and
+/// printing it (`|string`, `~`) stops after 100,000 items with `...` (deco's patch).
+#[test]
+fn consuming_a_lazily_doubled_list_is_bounded() {
+    let lazy = "{% set ns = namespace(l=[1]) %}{% for i in range(30) %}{% set ns.l = ns.l + ns.l %}{% endfor %}";
+    for tail in ["{{ ns.l|join(',')|length }}", "{{ ns.l|tojson|length }}", "{{ ns.l|list|length }}", "{{ 2 in ns.l }}"] {
+        let t = ChatTemplate::new(format!("{lazy}{tail}")).expect("compiles");
+        let start = std::time::Instant::now();
+        let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("must not render");
+        assert!(err.to_string().contains("fuel"), "{tail}: {err}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(60), "{tail}: took {:?}", start.elapsed());
+    }
+    let t = ChatTemplate::new(format!("{lazy}{{{{ ns.l|length }}}}|{{{{ (ns.l|string)[-30:] }}}}|{{{{ ('' ~ ns.l)|length }}}}")).expect("compiles");
+    let out = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect("render");
+    let parts: Vec<&str> = out.split('|').collect();
+    assert_eq!(parts[0], (1u64 << 30).to_string());
+    // minijinja's "omitted" marker: `..., ... N more]`.
+    assert!(parts[1].ends_with(&format!("... {} more]", (1u64 << 30) - 100_000)), "{out}");
+    let printed: usize = parts[2].parse().expect("a length");
+    assert!(printed < 1_000_000, "{out}");
+}
+
+/// A namespace that contains itself, and lists nested a hundred thousand deep, must not
+/// overflow the stack: printing, comparing and hashing stop descending at depth 500 (deco's
+/// patch prints `...` there, as Python prints `[...]` for a recursive list), `tojson` refuses
+/// nesting over 512, and the render runs on a thread whose stack holds the recursive drop of the
+/// deepest nesting the budget allows.
+#[test]
+fn cyclic_and_deeply_nested_values_do_not_overflow_the_stack() {
+    let t = ChatTemplate::new("{% set ns = namespace() %}{% set ns.a = ns %}{{ ns }}|{{ [ns]|unique|list|length }}|{{ ns == ns }}").expect("compiles");
+    let out = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect("render");
+    assert!(out.contains("...") && out.ends_with("|1|True"), "{}", &out[out.len().saturating_sub(300)..]);
+    let t = ChatTemplate::new("{% set ns = namespace() %}{% set ns.a = ns %}{{ ns|tojson }}").expect("compiles");
+    let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("cyclic tojson");
+    assert!(err.to_string().contains("nesting deeper than 512"), "{err}");
+
+    let nest = |body: &str, tail: &str| {
+        format!("{{% set ns = namespace(l=[]) %}}{{% for j in range(10) %}}{{% for i in range(100000) %}}{body}{{% endfor %}}{{% endfor %}}{tail}")
+    };
+    for src in [
+        nest("{% set ns.l = [ns.l] %}", "{{ ns.l }}"),
+        nest("{% set ns.l = {'a': ns.l} %}", "{{ ns.l == ns.l }}"),
+        nest("{% set ns.l = ns.l|select %}", "{{ ns.l|list }}"),
+    ] {
+        let t = ChatTemplate::new(src.as_str()).expect("compiles");
+        let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("must run out of fuel");
+        assert!(err.to_string().contains("fuel"), "{src}: {err}");
+    }
+    // 20,000 levels fit the budget: printed up to depth 500, then `...`.
+    let t = ChatTemplate::new("{% set ns = namespace(l=[]) %}{% for i in range(20000) %}{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l }}").expect("compiles");
+    let out = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect("render");
+    assert!(out.starts_with(&"[".repeat(500)) && out.contains("..."), "{}", &out[..600.min(out.len())]);
+}
+
 /// Fuzzing finding (chat_template, 2026-12-01): `{{92222*[]*22**2-}}` took 2.6 s in one
 /// instruction under minijinja 2.24, which repeated an empty sequence by iterating it `n` times
 /// (44.6 M empty iterations here; with these factors it would never end). minijinja 3.1 returns

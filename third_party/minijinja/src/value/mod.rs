@@ -670,9 +670,55 @@ impl fmt::Debug for ValueRepr {
                 }
                 write!(f, "'")
             }
-            ValueRepr::Object(ref val) => val.render(f),
+            ValueRepr::Object(ref val) => walk_deeper(|| val.render(f)).unwrap_or_else(|| f.write_str("...")),
         }
     }
+}
+
+// deco patch (see third_party/README.md): depth of the recursive walks over values running on
+// this thread (formatting, hashing, comparing).  A namespace can be made to contain itself
+// (`{% set ns.a = ns %}`) and a loop can nest lists hundreds of thousands deep, so these walks
+// stop at [`MAX_WALK_DEPTH`] instead of overflowing the stack.
+thread_local! {
+    static WALK_DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static WALK_ITEMS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Most container items one top-level formatting of a value prints; the rest is omitted
+/// (a lazily doubled sequence can have 2^32 items).
+pub(crate) const MAX_WALK_ITEMS: usize = 100_000;
+
+/// Counts one container item printed by the current top-level walk; `true` once over
+/// [`MAX_WALK_ITEMS`].
+pub(crate) fn walk_item_over_limit() -> bool {
+    WALK_ITEMS.with(|n| {
+        n.set(n.get() + 1);
+        n.get() > MAX_WALK_ITEMS
+    })
+}
+
+/// Deepest nesting the recursive walks over values descend into (minijinja's default
+/// recursion limit).
+pub(crate) const MAX_WALK_DEPTH: usize = 500;
+
+/// Runs `f` one level deeper into a value; `None` (without running it) past [`MAX_WALK_DEPTH`].
+pub(crate) fn walk_deeper<R>(f: impl FnOnce() -> R) -> Option<R> {
+    struct Restore(usize);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            WALK_DEPTH.with(|d| d.set(self.0));
+        }
+    }
+    let depth = WALK_DEPTH.with(|d| d.get());
+    if depth == 0 {
+        WALK_ITEMS.with(|n| n.set(0));
+    }
+    if depth >= MAX_WALK_DEPTH {
+        return None;
+    }
+    WALK_DEPTH.with(|d| d.set(depth + 1));
+    let _restore = Restore(depth);
+    Some(f())
 }
 
 impl Hash for Value {
@@ -686,7 +732,7 @@ impl Hash for Value {
             ValueRepr::Bytes(ref b) => b.hash(state),
             ValueRepr::Object(ref d) => {
                 self.is_tuple().hash(state);
-                d.hash(state);
+                walk_deeper(|| d.hash(state));
             }
             ValueRepr::U64(_)
             | ValueRepr::I64(_)
@@ -721,7 +767,7 @@ impl PartialEq for Value {
                 Some(ops::CoerceResult::F64(a, b)) => a == b,
                 Some(ops::CoerceResult::I128(a, b)) => a == b,
                 Some(ops::CoerceResult::Str(a, b)) => a == b,
-                None => {
+                None => walk_deeper(|| {
                     if let (Some(a), Some(b)) = (self.as_object(), other.as_object()) {
                         if self.is_tuple() != other.is_tuple() {
                             return false;
@@ -784,7 +830,8 @@ impl PartialEq for Value {
                     } else {
                         false
                     }
-                }
+                })
+                .unwrap_or(false),
             },
         }
     }
@@ -920,7 +967,7 @@ impl Ord for Value {
                 Some(ops::CoerceResult::F64(a, b)) => cmp_f64(a, b),
                 Some(ops::CoerceResult::I128(a, b)) => a.cmp(&b),
                 Some(ops::CoerceResult::Str(a, b)) => a.cmp(b),
-                None => {
+                None => walk_deeper(|| {
                     if self.is_number() && other.is_number() {
                         return cmp_uncoercible_numbers(self, other);
                     }
@@ -968,7 +1015,8 @@ impl Ord for Value {
                             (_, _) => unreachable!(),
                         }
                     }
-                }
+                })
+                .unwrap_or(Ordering::Equal),
             },
         }
     }
@@ -1007,7 +1055,7 @@ impl fmt::Display for Value {
             ValueRepr::SmallStr(ref val) => write!(f, "{}", val.as_str()),
             ValueRepr::Bytes(ref val) => write!(f, "{}", String::from_utf8_lossy(val)),
             ValueRepr::U128(val) => write!(f, "{}", { val.0 }),
-            ValueRepr::Object(ref x) => write!(f, "{x}"),
+            ValueRepr::Object(ref x) => walk_deeper(|| write!(f, "{x}")).unwrap_or_else(|| f.write_str("...")),
         }
     }
 }

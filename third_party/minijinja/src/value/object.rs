@@ -306,7 +306,7 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         ObjectRepr::Map => render_container(f, "{...}", |f| {
             let mut dbg = f.debug_map();
             for (idx, (key, value)) in obj.try_iter_pairs().into_iter().flatten().enumerate() {
-                if is_over_item_limit(idx) {
+                if is_over_item_limit(idx) || crate::value::walk_item_over_limit() {
                     let count = obj.enumerator_len().map(|x| x - idx);
                     dbg.entry(&OmittedKey, &Omitted { count, prefix: "" });
                     break;
@@ -322,7 +322,7 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             render_container(f, "[...]", |f| {
                 let mut dbg = f.debug_list();
                 for (idx, value) in obj.try_iter().into_iter().flatten().enumerate() {
-                    if is_over_item_limit(idx) {
+                    if is_over_item_limit(idx) || crate::value::walk_item_over_limit() {
                         let count = obj.enumerator_len().map(|x| x - idx);
                         dbg.entry(&Omitted {
                             count,
