@@ -462,7 +462,7 @@ impl MedusaModule {
 // Data: the frozen base's hidden states on (prompt, response) sequences.
 
 /// One training sequence: a prompt followed by a (self-distilled) response.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MedusaSequence {
     /// Prompt then response ids.
     pub tokens: Vec<u32>,
@@ -731,6 +731,49 @@ mod training {
         s
     }
 
+    /// Parses a log written by [`log_csv`] for `k` heads (a checkpoint's `loss.csv`, read back by
+    /// a resumed run). Writing the parsed rows again gives the same text; the held-out
+    /// `positions` and `top5`, which the CSV does not hold, come back as 0 and NaN.
+    ///
+    /// # Errors
+    /// [`Error::Data`] for another header, a row with the wrong number of fields or a field
+    /// that is not a number.
+    pub fn parse_log_csv(text: &str, k: usize) -> Result<Vec<MedusaLogRow>> {
+        let mut lines = text.lines();
+        let header = log_csv_header(k);
+        if lines.next() != Some(header.as_str()) {
+            return Err(Error::Data(format!("the Medusa log does not start with `{header}`")));
+        }
+        let num = |f: &str| -> Result<f64> {
+            if f.is_empty() { Ok(f64::NAN) } else { f.parse::<f64>().map_err(|_| Error::Data(format!("`{f}` in the Medusa log is not a number"))) }
+        };
+        let mut rows = Vec::new();
+        for (i, line) in lines.enumerate() {
+            let f: Vec<&str> = line.split(',').collect();
+            if f.len() != 2 + 3 * k {
+                return Err(Error::Data(format!("row {} of the Medusa log has {} fields, expected {}", i + 1, f.len(), 2 + 3 * k)));
+            }
+            let step = f[0].parse::<usize>().map_err(|_| Error::Data(format!("row {} of the Medusa log: step `{}`", i + 1, f[0])))?;
+            let loss = num(f[1])?;
+            let head_loss = if step == 0 { Vec::new() } else { f[2..2 + k].iter().map(|x| num(x)).collect::<Result<Vec<_>>>()? };
+            let held: Vec<(f64, f64)> = (0..k).map(|j| Ok((num(f[2 + k + j])?, num(f[2 + 2 * k + j])?))).collect::<Result<_>>()?;
+            let heldout = held.iter().any(|(l, t)| !l.is_nan() || !t.is_nan()).then(|| {
+                held.iter().enumerate().map(|(j, &(loss, top1))| HeadAccuracy { head: j + 1, positions: 0, top1, top5: f64::NAN, loss }).collect()
+            });
+            rows.push(MedusaLogRow { step, loss, head_loss, heldout });
+        }
+        Ok(rows)
+    }
+
+    /// Where a resumed [`train_from`] starts.
+    #[derive(Debug, Clone)]
+    pub struct MedusaResume {
+        /// Optimizer steps already done.
+        pub step: usize,
+        /// The heads after `step` steps (a checkpoint's).
+        pub blocks: Vec<ResBlockWeights>,
+    }
+
     /// Trains fresh Medusa-1 heads (`config`) on `train` positions with Adam, evaluating on
     /// `heldout` positions, and returns the heads (host copy) and the log. `lm_head` is the
     /// base's `[H, V]` LM head (`model.lm_head()`, dequantized f32) on `device`, the base's
@@ -755,6 +798,35 @@ mod training {
         device: &burn::tensor::Device,
         progress: &mut dyn FnMut(&MedusaLogRow),
     ) -> Result<(Vec<ResBlockWeights>, Vec<MedusaLogRow>)> {
+        train_from(config, tc, train, heldout, lm_head, device, None, 0, progress, &mut |_, _| Ok(()))
+    }
+
+    /// [`train`], optionally continued from a checkpoint (`resume`), handing the heads to
+    /// `save` every `checkpoint_every` steps and after the last one (`checkpoint_every` 0:
+    /// never).
+    ///
+    /// A resumed run draws the same batches as the uninterrupted run would (the position draws
+    /// of the steps already done are replayed), so with the same pool it trains on the same
+    /// positions; its Adam moments restart from zero, since a checkpoint holds the heads only
+    /// (as `deco autodeco train`'s and `deco distill`'s do). The returned log holds the steps
+    /// after `resume.step` only (no step-0 evaluation).
+    ///
+    /// # Errors
+    /// Those of [`train`]; [`Error::InvalidParameter`] for a checkpoint past `tc.steps` or of
+    /// other shapes; the errors of `save`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_from(
+        config: &MedusaConfig,
+        tc: &MedusaTrainConfig,
+        train: &MedusaPool,
+        heldout: &MedusaPool,
+        lm_head: &Tensor<2>,
+        device: &burn::tensor::Device,
+        resume: Option<MedusaResume>,
+        checkpoint_every: usize,
+        progress: &mut dyn FnMut(&MedusaLogRow),
+        save: &mut dyn FnMut(usize, &[ResBlockWeights]) -> Result<()>,
+    ) -> Result<(Vec<ResBlockWeights>, Vec<MedusaLogRow>)> {
         tc.validate()?;
         config.validate()?;
         if train.is_empty() {
@@ -771,7 +843,20 @@ mod training {
         let k_heads = config.medusa_num_heads;
         let ad = device.clone().autodiff();
         ad.seed(tc.seed);
+        let start = resume.as_ref().map_or(0, |r| r.step);
         let mut heads = MedusaModule::init(config, &ad)?;
+        if let Some(r) = &resume {
+            if r.step > tc.steps {
+                return Err(invalid("resume", format!("the checkpoint is at step {}, beyond steps {}", r.step, tc.steps)));
+            }
+            if r.blocks.len() != k_heads || r.blocks.iter().any(|b| b.weight.len() != h * h || b.bias.len() != h) {
+                return Err(invalid("resume", format!("the checkpoint's heads do not match {k_heads} heads of hidden size {h}")));
+            }
+            if r.step == tc.steps {
+                return Ok((r.blocks.clone(), Vec::new()));
+            }
+            heads = MedusaModule::from_blocks(&r.blocks, h, &ad);
+        }
         let lm_host = lm_head.clone().try_into_vec_as::<f32>().map_err(|e| Error::TensorRead(format!("{e:?}")))?;
         let lm_ad = Tensor::<2>::from_data(TensorData::new(lm_host, [h, v]), &ad);
         let lambda: Vec<f64> = (0..k_heads).map(|k| tc.loss_decay.powi(k as i32)).collect();
@@ -786,12 +871,19 @@ mod training {
             }
             evaluate(m, heldout, &held_rows, lm_head, device).map(Some)
         };
-        let mut log = Vec::with_capacity(tc.steps + 1);
-        let row0 = MedusaLogRow { step: 0, loss: f64::NAN, head_loss: Vec::new(), heldout: eval(&heads.valid())? };
-        progress(&row0);
-        log.push(row0);
+        let mut log = Vec::with_capacity(tc.steps + 1 - start);
         let b = tc.batch_size;
-        for step in 1..=tc.steps {
+        if resume.is_none() {
+            let row0 = MedusaLogRow { step: 0, loss: f64::NAN, head_loss: Vec::new(), heldout: eval(&heads.valid())? };
+            progress(&row0);
+            log.push(row0);
+        }
+        for _ in 1..=start {
+            for _ in 0..b {
+                rng.random_range(0..train.len());
+            }
+        }
+        for step in start + 1..=tc.steps {
             let rows: Vec<usize> = (0..b).map(|_| rng.random_range(0..train.len())).collect();
             // Targets and weights, head-major like `MedusaModule::logits`.
             let mut idx = Vec::with_capacity(k_heads * b);
@@ -830,6 +922,9 @@ mod training {
             let row = MedusaLogRow { step, loss: total, head_loss, heldout: heldout_acc };
             progress(&row);
             log.push(row);
+            if checkpoint_every > 0 && (step % checkpoint_every == 0 || step == tc.steps) {
+                save(step, &heads.valid().to_blocks()?)?;
+            }
         }
         Ok((heads.valid().to_blocks()?, log))
     }
@@ -1016,11 +1111,32 @@ mod tests {
         let before = log[0].heldout.as_ref().expect("heldout");
         let after = log[40].heldout.as_ref().expect("heldout");
         assert!(after[0].loss < before[0].loss, "{before:?} -> {after:?}");
-        let heads = MedusaHeads::new(cfg, blocks, &model).expect("heads");
+        let heads = MedusaHeads::new(cfg.clone(), blocks, &model).expect("heads");
         assert_eq!(deco_generate::medusa::DraftHeads::num_heads(&heads), 3);
         let csv = log_csv(&log, 3);
         assert!(csv.starts_with("step,loss,loss_head1,loss_head2,loss_head3,heldout_loss_head1"));
         assert_eq!(csv.lines().count(), 42);
+        // A checkpoint's log reads back to the same text.
+        assert_eq!(log_csv(&parse_log_csv(&csv, 3).expect("parse"), 3), csv);
+        assert!(parse_log_csv(&csv, 2).is_err());
+
+        // Checkpoints every 10 steps; resuming from step 20 trains on the uninterrupted run's
+        // batches: its first step's loss (before any update) is the uninterrupted step 21's.
+        let mut saved: Vec<(usize, Vec<ResBlockWeights>)> = Vec::new();
+        let (again, _) = train_from(&cfg, &tc, &pool, &held, model.lm_head(), model.device(), None, 10, &mut |_| {}, &mut |step, b| {
+            saved.push((step, b.to_vec()));
+            Ok(())
+        })
+        .expect("train with checkpoints");
+        assert_eq!(saved.iter().map(|s| s.0).collect::<Vec<_>>(), [10, 20, 30, 40]);
+        assert_eq!(again, saved[3].1, "the last checkpoint is the final heads");
+        let resume = MedusaResume { step: 20, blocks: saved[1].1.clone() };
+        let (_, tail) = train_from(&cfg, &tc, &pool, &held, model.lm_head(), model.device(), Some(resume), 0, &mut |_| {}, &mut |_, _| Ok(())).expect("resume");
+        assert_eq!(tail.iter().map(|r| r.step).collect::<Vec<_>>(), (21..=40).collect::<Vec<_>>());
+        assert_eq!(tail[0].loss, log[21].loss, "the resumed step 21 saw another batch or other heads");
+        assert_eq!(tail[0].head_loss, log[21].head_loss);
+        let past = MedusaResume { step: 41, blocks: saved[1].1.clone() };
+        assert!(train_from(&cfg, &tc, &pool, &held, model.lm_head(), model.device(), Some(past), 0, &mut |_| {}, &mut |_, _| Ok(())).is_err());
     }
 
     #[test]

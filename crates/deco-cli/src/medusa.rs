@@ -11,6 +11,13 @@
 //!
 //! `train` writes OUT atomically: `config.json`, `medusa_lm_head.safetensors`, `loss.csv`,
 //! `accuracy.json` (per-head held-out top-1 / top-5, timings), then `loss.svg` into it.
+//!
+//! While it trains, every `--checkpoint-every` steps the heads and the loss log so far go to
+//! `OUT/checkpoint-NNNNNN` (one atomic directory each; the last two are kept), and the
+//! self-distilled sequences to `OUT/self_distilled.json` (atomic, once). `--resume` continues
+//! from the highest checkpoint on those same sequences: the same batches as an uninterrupted run,
+//! the Adam moments restarting from zero (`deco_autodeco::medusa::train_from`). At the end OUT is
+//! replaced in one step by the final heads, which removes the checkpoints.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -85,7 +92,17 @@ pub struct TrainArgs {
     /// Responses decoded together by the engine.
     #[arg(long, default_value_t = 32)]
     batch: usize,
+    /// Write a checkpoint (`OUT/checkpoint-NNNNNN`: the heads and the log so far) every this
+    /// many steps (0: none).
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
+    /// Continue from the last checkpoint in OUT (same options as the interrupted run).
+    #[arg(long)]
+    resume: bool,
 }
+
+/// File of OUT holding the self-distilled sequences while the heads train (for `--resume`).
+const SELF_DISTILLED_FILE: &str = "self_distilled.json";
 
 /// Options of `deco medusa eval`.
 #[derive(Debug, Args)]
@@ -245,8 +262,44 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     config.base_model_name_or_path = Some(a.model.model.display().to_string());
     config.validate()?;
 
+    // Where to start: --resume needs a checkpoint in OUT; a fresh run refuses to mix with one.
+    let existing = crate::runtime::checkpoints(&a.out)?;
+    let resume = if a.resume {
+        let Some((step, dir)) = existing.last().cloned() else { bail!("--resume: no checkpoint-NNNNNN directory in {}", a.out.display()) };
+        let (ck_config, blocks) = medusa::load_blocks(&dir).with_context(|| format!("--resume: loading {}", dir.display()))?;
+        if (ck_config.medusa_num_heads, ck_config.hidden_size, ck_config.vocab_size) != (config.medusa_num_heads, config.hidden_size, config.vocab_size) {
+            bail!("--resume: {} holds {} heads for hidden size {} and vocabulary {}, this run trains {} heads for {} and {}", dir.display(), ck_config.medusa_num_heads, ck_config.hidden_size, ck_config.vocab_size, config.medusa_num_heads, config.hidden_size, config.vocab_size);
+        }
+        let csv = dir.join("loss.csv");
+        let text = std::fs::read_to_string(&csv).with_context(|| format!("--resume: reading {}", csv.display()))?;
+        let log = medusa::parse_log_csv(&text, a.num_heads).with_context(|| csv.display().to_string())?;
+        eprintln!("[medusa] resuming from {} (step {step} of {})", dir.display(), a.steps);
+        Some((medusa::MedusaResume { step, blocks }, log))
+    } else {
+        if !existing.is_empty() {
+            bail!("{} holds checkpoints of an interrupted run: use --resume to continue it, or remove them", a.out.display());
+        }
+        None
+    };
+
     let t0 = Instant::now();
-    let mut seqs = self_distill(&model, &tok, &prompts, a.max_new_tokens, a.batch)?;
+    let saved = a.out.join(SELF_DISTILLED_FILE);
+    let mut seqs = if resume.is_some() && saved.is_file() {
+        let text = std::fs::read_to_string(&saved).with_context(|| format!("--resume: reading {}", saved.display()))?;
+        let seqs: Vec<MedusaSequence> = serde_json::from_str(&text).with_context(|| format!("--resume: {} is not a list of sequences", saved.display()))?;
+        if seqs.iter().any(|s| s.response_start == 0 || s.response_start >= s.tokens.len() || s.tokens.iter().any(|&t| t as usize >= model.config.vocab_size)) {
+            bail!("--resume: {} holds a sequence without a response or with a token outside the vocabulary", saved.display());
+        }
+        eprintln!("[medusa] {} self-distilled sequences read from {}", seqs.len(), saved.display());
+        seqs
+    } else {
+        let seqs = self_distill(&model, &tok, &prompts, a.max_new_tokens, a.batch)?;
+        if a.checkpoint_every > 0 {
+            std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+            deco_formats::atomic::write_file(&saved, serde_json::to_string(&seqs)?.as_bytes()).with_context(|| format!("writing {}", saved.display()))?;
+        }
+        seqs
+    };
     let generate_s = t0.elapsed().as_secs_f64();
     let new_tokens: usize = seqs.iter().map(|s| s.tokens.len() - s.response_start).sum();
     eprintln!("[medusa] {} self-distilled responses, {new_tokens} tokens, in {generate_s:.1}s", seqs.len());
@@ -267,7 +320,13 @@ fn run_train(a: &TrainArgs) -> Result<()> {
 
     let t0 = Instant::now();
     let pb = bar(a.steps as u64, "train");
+    let (resume, log_so_far) = match resume {
+        Some((r, log)) => (Some(r), log),
+        None => (None, Vec::new()),
+    };
+    let log_cell = std::cell::RefCell::new(log_so_far);
     let mut progress = |r: &MedusaLogRow| {
+        log_cell.borrow_mut().push(r.clone());
         pb.set_position(r.step as u64);
         if r.loss.is_finite() {
             pb.set_prefix(format!("loss {:.3}", r.loss));
@@ -278,8 +337,21 @@ fn run_train(a: &TrainArgs) -> Result<()> {
         }
     };
     let lm_head = model.lm_head().clone();
-    let (blocks, log) = medusa::train(&config, &tc, &train_pool, &held_pool, &lm_head, model.device(), &mut progress)?;
+    let out = a.out.clone();
+    let mut save = |step: usize, blocks: &[medusa::ResBlockWeights]| -> deco_autodeco::Result<()> {
+        let csv = medusa::log_csv(&log_cell.borrow(), config.medusa_num_heads);
+        medusa::save_blocks(&out.join(format!("checkpoint-{step:06}")), &config, blocks, &[("loss.csv", csv.as_bytes())])?;
+        // Keep the last two checkpoints.
+        if let Ok(all) = crate::runtime::checkpoints(&out) {
+            for (_, old) in all.iter().rev().skip(2) {
+                let _ = std::fs::remove_dir_all(old);
+            }
+        }
+        Ok(())
+    };
+    let (blocks, _) = medusa::train_from(&config, &tc, &train_pool, &held_pool, &lm_head, model.device(), resume, a.checkpoint_every, &mut progress, &mut save)?;
     pb.finish();
+    let log = log_cell.into_inner();
     let train_s = t0.elapsed().as_secs_f64();
 
     let t0 = Instant::now();

@@ -386,3 +386,70 @@ fn lora_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
     eprintln!("lora train: uninterrupted {wall:?}; resumed from {resumed_from:?}");
     assert!(!resumed_from.is_empty(), "no kill landed after a checkpoint: the resume path was not exercised");
 }
+
+/// `deco medusa train` killed at random instants: every visible checkpoint is a complete heads
+/// directory whose log ends at its step; `--resume` continues from the last one on the saved
+/// self-distilled sequences, and the final log equals the uninterrupted run's up to the first
+/// checkpoint resumed from (same batches; Adam restarts after, as documented).
+#[test]
+fn medusa_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
+    use deco_autodeco::medusa;
+    let m = smollm2_gguf();
+    let data = asset("data/gsm_train.jsonl");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let steps = 24;
+    let train = |out: &Path, resume: bool| {
+        let mut c = deco();
+        c.args(["medusa", "train", "--num-heads", "2", "--max-examples", "4", "--max-new-tokens", "8", "--heldout-fraction", "0.25"])
+            .args(["--batch-size", "8", "--eval-every", "8", "--checkpoint-every", "4", "--steps", &steps.to_string(), "--model"])
+            .arg(&m)
+            .arg("--data")
+            .arg(&data)
+            .arg("--out")
+            .arg(out);
+        if resume {
+            c.arg("--resume");
+        }
+        c
+    };
+    let reference = tmp.path().join("reference");
+    let wall = run_ok(train(&reference, false));
+    assert_eq!(
+        visible(&reference),
+        ["accuracy.json", "config.json", "loss.csv", "loss.svg", "medusa_lm_head.safetensors"],
+        "the finished run left other files"
+    );
+    let ref_log = std::fs::read_to_string(reference.join("loss.csv")).expect("loss.csv");
+    let out = tmp.path().join("heads");
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let mut resumed_from = Vec::new();
+    for _ in 0..12 {
+        let resume = !checkpoints(&out).is_empty();
+        if let Some(last) = checkpoints(&out).last().filter(|_| resume) {
+            resumed_from.push(last.file_name().expect("name").to_string_lossy().into_owned());
+        }
+        let finished = kill_after(train(&out, resume), wall.mul_f64(rng.random_range(0.3..0.95)));
+        for ck in checkpoints(&out) {
+            medusa::load_blocks(&ck).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
+            let step: usize = ck.file_name().and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok()).expect("step");
+            let log = std::fs::read_to_string(ck.join("loss.csv")).expect("checkpoint loss.csv");
+            assert_eq!(log.lines().last().and_then(|l| l.split(',').next()), Some(step.to_string().as_str()), "{}", ck.display());
+        }
+        if finished {
+            break;
+        }
+    }
+    if !out.join("accuracy.json").is_file() {
+        run_ok(train(&out, !checkpoints(&out).is_empty()));
+    }
+    medusa::load_blocks(&out).expect("final heads load");
+    assert!(checkpoints(&out).is_empty() && !out.join("self_distilled.json").exists(), "the finished run left its checkpoints: {:?}", visible(&out));
+    let log = std::fs::read_to_string(out.join("loss.csv")).expect("loss.csv");
+    let steps_logged: Vec<usize> = log.lines().skip(1).map(|l| l.split(',').next().expect("step").parse().expect("step number")).collect();
+    assert_eq!(steps_logged, (0..=steps).collect::<Vec<_>>(), "loss.csv:\n{log}");
+    let first_resume = resumed_from.iter().filter_map(|n| n.strip_prefix("checkpoint-")?.parse::<usize>().ok()).min().unwrap_or(steps);
+    let head = |t: &str| t.lines().take(first_resume + 2).map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(head(&log), head(&ref_log), "the resumed run's log differs from the uninterrupted one before step {first_resume}");
+    eprintln!("medusa train: uninterrupted {wall:?}; resumed from {resumed_from:?}");
+    assert!(!resumed_from.is_empty(), "no kill landed after a checkpoint: the resume path was not exercised");
+}
