@@ -169,6 +169,62 @@ fn checkpoints(out: &Path) -> Vec<PathBuf> {
     v
 }
 
+/// The resume loop of the training commands: up to 12 runs of `train(out, resume)`, each killed
+/// at a seeded random instant in [0.3, 0.9) x `wall` and resuming from the last checkpoint when
+/// there is one; after every kill, `check` runs on each visible checkpoint. `prepare` runs before
+/// each start (a command may need an OUT with nothing to resume cleared). If no run finished
+/// (`done`), one more runs to the end. Returns the steps of the checkpoints resumed from.
+fn kill_and_resume(
+    train: &dyn Fn(&Path, bool) -> Command,
+    out: &Path,
+    wall: Duration,
+    seed: u64,
+    done: &dyn Fn(&Path) -> bool,
+    prepare: &dyn Fn(&Path),
+    check: &dyn Fn(&Path),
+) -> Vec<usize> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut resumed_from = Vec::new();
+    let step_of = |ck: &Path| -> usize { ck.file_name().and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok()).expect("checkpoint step") };
+    for _ in 0..12 {
+        prepare(out);
+        let last = checkpoints(out).last().cloned();
+        if let Some(ck) = &last {
+            resumed_from.push(step_of(ck));
+        }
+        let finished = kill_after(train(out, last.is_some()), wall.mul_f64(rng.random_range(0.3..0.9)));
+        for ck in checkpoints(out) {
+            check(&ck);
+        }
+        if finished && done(out) {
+            break;
+        }
+    }
+    if !done(out) {
+        prepare(out);
+        run_ok(train(out, !checkpoints(out).is_empty()));
+    }
+    resumed_from
+}
+
+/// A checkpoint's `loss.csv` ends at the checkpoint's step.
+fn assert_log_ends_at_its_step(ck: &Path) {
+    let step: usize = ck.file_name().and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok()).expect("step");
+    let log = std::fs::read_to_string(ck.join("loss.csv")).expect("checkpoint loss.csv");
+    assert_eq!(log.lines().last().and_then(|l| l.split(',').next()), Some(step.to_string().as_str()), "{}", ck.display());
+}
+
+/// `log` (a `step,...` CSV with a step-0 row) holds steps 0..=steps once each, and equals
+/// `reference` digit for digit up to the first checkpoint resumed from (after it, Adam restarts).
+fn assert_resumed_log(log: &str, reference: &str, steps: usize, resumed_from: &[usize]) {
+    let steps_logged: Vec<usize> = log.lines().skip(1).map(|l| l.split(',').next().expect("step").parse().expect("step number")).collect();
+    assert_eq!(steps_logged, (0..=steps).collect::<Vec<_>>(), "loss.csv:\n{log}");
+    let first_resume = resumed_from.iter().copied().min().unwrap_or(steps);
+    let head = |t: &str| t.lines().take(first_resume + 2).map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(head(log), head(reference), "the resumed run's log differs from the uninterrupted one before step {first_resume}");
+    assert!(!resumed_from.is_empty(), "no kill landed after a checkpoint: the resume path was not exercised");
+}
+
 #[test]
 fn distill_killed_at_random_keeps_complete_checkpoints_and_resumes() {
     let m = smollm2_gguf();
@@ -270,41 +326,17 @@ fn autodeco_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
     assert!(checkpoints(&reference).is_empty(), "the finished run left checkpoints: {:?}", visible(&reference));
     let ref_log = std::fs::read_to_string(reference.join("loss.csv")).expect("loss.csv");
     let out = tmp.path().join("heads");
-    let mut rng = ChaCha8Rng::seed_from_u64(11);
-    let mut resumed_from = Vec::new();
-    for _ in 0..12 {
-        let resume = !checkpoints(&out).is_empty();
-        if let Some(last) = checkpoints(&out).last().filter(|_| resume) {
-            resumed_from.push(last.file_name().expect("name").to_string_lossy().into_owned());
-        }
-        let finished = kill_after(train(&out, resume), wall.mul_f64(rng.random_range(0.3..0.9)));
-        // Every visible checkpoint is complete: it loads, and its log ends at its step.
-        for ck in checkpoints(&out) {
-            HostHeads::load(&ck).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
-            let step: usize = ck.file_name().and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok()).expect("step");
-            let log = std::fs::read_to_string(ck.join("loss.csv")).expect("checkpoint loss.csv");
-            assert_eq!(log.lines().last().and_then(|l| l.split(',').next()), Some(step.to_string().as_str()), "{}", ck.display());
-        }
-        if finished {
-            break;
-        }
-    }
-    if !out.join("loss.csv").is_file() {
-        run_ok(train(&out, !checkpoints(&out).is_empty()));
-    }
+    let check = |ck: &Path| {
+        HostHeads::load(ck).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
+        assert_log_ends_at_its_step(ck);
+    };
+    let resumed_from = kill_and_resume(&train, &out, wall, 11, &|o: &Path| o.join("loss.csv").is_file(), &|_: &Path| {}, &check);
     HostHeads::load(&out).expect("final heads load");
     assert!(checkpoints(&out).is_empty(), "the finished run left checkpoints: {:?}", visible(&out));
-    // The log holds each step once, in order; the held-out rows (every 8 steps) were evaluated.
-    let log = std::fs::read_to_string(out.join("loss.csv")).expect("loss.csv");
-    let steps_logged: Vec<usize> = log.lines().skip(1).map(|l| l.split(',').next().expect("step").parse().expect("step number")).collect();
-    assert_eq!(steps_logged, (0..=steps).collect::<Vec<_>>(), "loss.csv:\n{log}");
-    // Up to the first checkpoint resumed from, the curve is the uninterrupted run's, digit for
-    // digit (same batches, same masks, same heads); after it, Adam restarts (documented).
-    let first_resume = resumed_from.iter().filter_map(|n| n.strip_prefix("checkpoint-")?.parse::<usize>().ok()).min().unwrap_or(steps);
-    let head = |t: &str| t.lines().take(first_resume + 2).map(str::to_string).collect::<Vec<_>>();
-    assert_eq!(head(&log), head(&ref_log), "the resumed run's log differs from the uninterrupted one before step {first_resume}");
+    // The log holds each step once, in order (held-out rows every 8 steps), and is the
+    // uninterrupted run's up to the first checkpoint resumed from (same batches, masks, heads).
+    assert_resumed_log(&std::fs::read_to_string(out.join("loss.csv")).expect("loss.csv"), &ref_log, steps, &resumed_from);
     eprintln!("autodeco train: uninterrupted {wall:?}; resumed from {resumed_from:?}");
-    assert!(!resumed_from.is_empty(), "no kill landed after a checkpoint: the resume path was not exercised");
 }
 
 #[test]
@@ -343,8 +375,6 @@ fn lora_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
     let wall = run_ok(train(&reference, false));
     let ref_log = losses(&std::fs::read_to_string(reference.join("lora_log.csv")).expect("log"));
     let out = tmp.path().join("adapter");
-    let mut rng = ChaCha8Rng::seed_from_u64(13);
-    let mut resumed_from = Vec::new();
     let done = |out: &Path| out.join(deco_compress::lora::ADAPTER_CONFIG).is_file();
     // A run killed before its first checkpoint leaves at most `lora_log.csv`: nothing to resume
     // from, and a fresh run refuses a non-empty OUT, so the user (and this loop) starts over.
@@ -354,32 +384,18 @@ fn lora_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
             std::fs::remove_dir_all(out).expect("remove");
         }
     };
-    for _ in 0..12 {
-        restart_if_nothing_to_resume(&out);
-        let resume = !checkpoints(&out).is_empty();
-        if let Some(last) = checkpoints(&out).last().filter(|_| resume) {
-            resumed_from.push(last.file_name().expect("name").to_string_lossy().into_owned());
-        }
-        let finished = kill_after(train(&out, resume), wall.mul_f64(rng.random_range(0.3..0.9)));
-        // Every visible checkpoint is a complete adapter for this model.
-        for ck in checkpoints(&out) {
-            HostAdapters::load(&ck, &cfg).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
-        }
-        if finished && done(&out) {
-            break;
-        }
-    }
-    if !done(&out) {
-        restart_if_nothing_to_resume(&out);
-        run_ok(train(&out, !checkpoints(&out).is_empty()));
-    }
+    // Every visible checkpoint is a complete adapter for this model.
+    let check = |ck: &Path| {
+        HostAdapters::load(ck, &cfg).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
+    };
+    let resumed_from = kill_and_resume(&train, &out, wall, 13, &done, &restart_if_nothing_to_resume, &check);
     let final_adapter = HostAdapters::load(&out, &cfg).expect("final adapter loads");
     assert_eq!(final_adapter.weights.len(), 2 * cfg.num_hidden_layers, "q_proj and down_proj adapters in every layer");
     // The log holds each step once, in order; up to the first checkpoint resumed from, the
     // losses are the uninterrupted run's (same batches, same adapters).
     let log = losses(&std::fs::read_to_string(out.join("lora_log.csv")).expect("log"));
     assert_eq!(log.iter().map(|r| r.0).collect::<Vec<_>>(), (1..=steps).collect::<Vec<_>>(), "lora_log.csv: {log:?}");
-    let first_resume = resumed_from.iter().filter_map(|n| n.strip_prefix("checkpoint-")?.parse::<usize>().ok()).min().unwrap_or(steps);
+    let first_resume = resumed_from.iter().copied().min().unwrap_or(steps);
     for (a, b) in log.iter().zip(&ref_log).take(first_resume) {
         assert!((a.1 - b.1).abs() <= 1e-4 * b.1.abs().max(1.0), "step {}: loss {} vs the uninterrupted run's {}", a.0, a.1, b.1);
     }
@@ -421,35 +437,13 @@ fn medusa_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
     );
     let ref_log = std::fs::read_to_string(reference.join("loss.csv")).expect("loss.csv");
     let out = tmp.path().join("heads");
-    let mut rng = ChaCha8Rng::seed_from_u64(13);
-    let mut resumed_from = Vec::new();
-    for _ in 0..12 {
-        let resume = !checkpoints(&out).is_empty();
-        if let Some(last) = checkpoints(&out).last().filter(|_| resume) {
-            resumed_from.push(last.file_name().expect("name").to_string_lossy().into_owned());
-        }
-        let finished = kill_after(train(&out, resume), wall.mul_f64(rng.random_range(0.3..0.95)));
-        for ck in checkpoints(&out) {
-            medusa::load_blocks(&ck).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
-            let step: usize = ck.file_name().and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok()).expect("step");
-            let log = std::fs::read_to_string(ck.join("loss.csv")).expect("checkpoint loss.csv");
-            assert_eq!(log.lines().last().and_then(|l| l.split(',').next()), Some(step.to_string().as_str()), "{}", ck.display());
-        }
-        if finished {
-            break;
-        }
-    }
-    if !out.join("accuracy.json").is_file() {
-        run_ok(train(&out, !checkpoints(&out).is_empty()));
-    }
+    let check = |ck: &Path| {
+        medusa::load_blocks(ck).unwrap_or_else(|e| panic!("{} is not a complete checkpoint: {e}", ck.display()));
+        assert_log_ends_at_its_step(ck);
+    };
+    let resumed_from = kill_and_resume(&train, &out, wall, 13, &|o: &Path| o.join("accuracy.json").is_file(), &|_: &Path| {}, &check);
     medusa::load_blocks(&out).expect("final heads load");
     assert!(checkpoints(&out).is_empty() && !out.join("self_distilled.json").exists(), "the finished run left its checkpoints: {:?}", visible(&out));
-    let log = std::fs::read_to_string(out.join("loss.csv")).expect("loss.csv");
-    let steps_logged: Vec<usize> = log.lines().skip(1).map(|l| l.split(',').next().expect("step").parse().expect("step number")).collect();
-    assert_eq!(steps_logged, (0..=steps).collect::<Vec<_>>(), "loss.csv:\n{log}");
-    let first_resume = resumed_from.iter().filter_map(|n| n.strip_prefix("checkpoint-")?.parse::<usize>().ok()).min().unwrap_or(steps);
-    let head = |t: &str| t.lines().take(first_resume + 2).map(str::to_string).collect::<Vec<_>>();
-    assert_eq!(head(&log), head(&ref_log), "the resumed run's log differs from the uninterrupted one before step {first_resume}");
+    assert_resumed_log(&std::fs::read_to_string(out.join("loss.csv")).expect("loss.csv"), &ref_log, steps, &resumed_from);
     eprintln!("medusa train: uninterrupted {wall:?}; resumed from {resumed_from:?}");
-    assert!(!resumed_from.is_empty(), "no kill landed after a checkpoint: the resume path was not exercised");
 }
