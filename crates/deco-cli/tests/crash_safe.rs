@@ -169,6 +169,16 @@ fn checkpoints(out: &Path) -> Vec<PathBuf> {
     v
 }
 
+/// `deco ARGS --steps STEPS --model MODEL --data DATA --out OUT [--resume]`.
+fn train_cmd(args: &[&str], steps: usize, model: &Path, data: &Path, out: &Path, resume: bool) -> Command {
+    let mut c = deco();
+    c.args(args).arg("--steps").arg(steps.to_string()).arg("--model").arg(model).arg("--data").arg(data).arg("--out").arg(out);
+    if resume {
+        c.arg("--resume");
+    }
+    c
+}
+
 /// The resume loop of the training commands: up to 12 runs of `train(out, resume)`, each killed
 /// at a seeded random instant in [0.3, 0.9) x `wall` and resuming from the last checkpoint when
 /// there is one; after every kill, `check` runs on each visible checkpoint. `prepare` runs before
@@ -306,20 +316,8 @@ fn autodeco_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
     let data = asset("data/gsm_train.jsonl");
     let tmp = tempfile::tempdir().expect("tmp");
     let steps = 24;
-    let train = |out: &Path, resume: bool| {
-        let mut c = deco();
-        c.args(["autodeco", "train", "--max-examples", "3", "--heldout-examples", "1", "--batch-size", "8", "--eval-every", "8", "--checkpoint-every", "4"])
-            .args(["--steps", &steps.to_string(), "--model"])
-            .arg(&m)
-            .arg("--data")
-            .arg(&data)
-            .arg("--out")
-            .arg(out);
-        if resume {
-            c.arg("--resume");
-        }
-        c
-    };
+    let args = ["autodeco", "train", "--max-examples", "3", "--heldout-examples", "1", "--batch-size", "8", "--eval-every", "8", "--checkpoint-every", "4"];
+    let train = |out: &Path, resume: bool| train_cmd(&args, steps, &m, &data, out, resume);
     // An uninterrupted run: its time, and the log a resumed run must reproduce step for step.
     let reference = tmp.path().join("reference");
     let wall = run_ok(train(&reference, false));
@@ -351,20 +349,9 @@ fn lora_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
         .collect();
     std::fs::write(&data, lines.join("\n")).expect("data");
     let steps = 6;
-    let train = |out: &Path, resume: bool| {
-        let mut c = deco();
-        c.args(["lora", "train", "--quant", "none", "--target-modules", "q_proj,down_proj", "--r", "2", "--alpha", "4", "--batch-size", "1", "--seqlen", "48", "--lr", "1e-3"])
-            .args(["--checkpoint-every", "2", "--steps", &steps.to_string(), "--model"])
-            .arg(&m)
-            .arg("--data")
-            .arg(&data)
-            .arg("--out")
-            .arg(out);
-        if resume {
-            c.arg("--resume");
-        }
-        c
-    };
+    let args = ["lora", "train", "--quant", "none", "--target-modules", "q_proj,down_proj", "--r", "2", "--alpha", "4", "--batch-size", "1", "--seqlen", "48"];
+    let args = [&args[..], &["--lr", "1e-3", "--checkpoint-every", "2"]].concat();
+    let train = |out: &Path, resume: bool| train_cmd(&args, steps, &m, &data, out, resume);
     let losses = |log: &str| -> Vec<(usize, f64)> {
         log.lines().skip(1).map(|l| {
             let f: Vec<&str> = l.split(',').collect();
@@ -413,21 +400,12 @@ fn medusa_train_killed_at_random_keeps_complete_checkpoints_and_resumes() {
     let m = smollm2_gguf();
     let data = asset("data/gsm_train.jsonl");
     let tmp = tempfile::tempdir().expect("tmp");
-    let steps = 24;
-    let train = |out: &Path, resume: bool| {
-        let mut c = deco();
-        c.args(["medusa", "train", "--num-heads", "2", "--max-examples", "4", "--max-new-tokens", "8", "--heldout-fraction", "0.25"])
-            .args(["--batch-size", "8", "--eval-every", "8", "--checkpoint-every", "4", "--steps", &steps.to_string(), "--model"])
-            .arg(&m)
-            .arg("--data")
-            .arg(&data)
-            .arg("--out")
-            .arg(out);
-        if resume {
-            c.arg("--resume");
-        }
-        c
-    };
+    // Self-distillation and the hidden states take about 4 s before training starts; 48 steps make
+    // training most of the run, so that most kill instants land after a checkpoint.
+    let steps = 48;
+    let args = ["medusa", "train", "--num-heads", "2", "--max-examples", "4", "--max-new-tokens", "8", "--heldout-fraction", "0.25"];
+    let args = [&args[..], &["--batch-size", "8", "--eval-every", "8", "--checkpoint-every", "4"]].concat();
+    let train = |out: &Path, resume: bool| train_cmd(&args, steps, &m, &data, out, resume);
     let reference = tmp.path().join("reference");
     let wall = run_ok(train(&reference, false));
     assert_eq!(
