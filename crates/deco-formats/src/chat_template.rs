@@ -87,18 +87,40 @@ fn template_error(what: &str, e: &minijinja::Error) -> Error {
     Error::ChatTemplate(msg)
 }
 
-/// Budget of one render (minijinja "fuel"): one unit per template instruction, plus one per 64
-/// bytes or 2 list slots an operation produces and one per 2 items a filter visits, checked
-/// before the allocation where the size is known. A hostile template (nested loops, runaway
-/// macro recursion, a string or list doubled in a loop) stops with an "out of fuel" error
-/// instead of running for minutes or exhausting memory: the data a render can produce is
-/// bounded by 64 x this many bytes (128 MiB). The real templates deco is tested with use about
-/// 50 units per message: 20,000 messages render through each of them (measured in the tests).
-pub const RENDER_FUEL: u64 = 2_000_000;
+/// Fixed part of the budget of one render (minijinja "fuel"). A render's budget is
+/// [`render_fuel`]: this, plus [`RENDER_FUEL_PER_MESSAGE`] per message, plus
+/// [`RENDER_FUEL_PER_INPUT_BYTE`] per byte of the conversation and extra variables, so the work
+/// a template may do grows with its input and not beyond.
+///
+/// minijinja charges one unit per template instruction, plus one per 64 bytes or 2 list slots
+/// an operation produces and one per 2 items a filter visits, checked before the allocation
+/// where the size is known. A hostile template (nested loops, runaway macro recursion, a string
+/// or list doubled in a loop) stops with an "out of fuel" error instead of running for minutes
+/// or exhausting memory: a render produces at most 64 bytes per unit (about 3 MiB for a short
+/// conversation). The real templates deco is tested with use about 50 units per message; 20,000
+/// messages render through each of them (measured in the tests).
+pub const RENDER_FUEL_BASE: u64 = 50_000;
+
+/// Budget added per message (see [`RENDER_FUEL_BASE`]).
+pub const RENDER_FUEL_PER_MESSAGE: u64 = 200;
+
+/// Budget added per byte of input: the messages and the extra variables as JSON (see
+/// [`RENDER_FUEL_BASE`]); a render may copy each input byte about 64 times.
+pub const RENDER_FUEL_PER_INPUT_BYTE: u64 = 1;
+
+/// The budget of rendering `messages` with the extra variables `extra`:
+/// `RENDER_FUEL_BASE + RENDER_FUEL_PER_MESSAGE · messages + RENDER_FUEL_PER_INPUT_BYTE · bytes`,
+/// `bytes` the length of the messages and of `extra` as JSON.
+pub fn render_fuel(messages: &[ChatMessage], extra: &serde_json::Value) -> u64 {
+    let bytes = serde_json::to_vec(messages).map_or(0, |v| v.len()) + serde_json::to_vec(extra).map_or(0, |v| v.len());
+    RENDER_FUEL_BASE
+        .saturating_add(RENDER_FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64))
+        .saturating_add(RENDER_FUEL_PER_INPUT_BYTE.saturating_mul(bytes as u64))
+}
 
 /// Stack size of the thread a render runs on, in bytes (virtual: pages are only committed as
-/// they are used). Nesting is bounded by [`RENDER_FUEL`] (each level costs a few instructions),
-/// and dropping or iterating a nested value recurses once per level.
+/// they are used). Nesting is bounded by the budget ([`render_fuel`]; each level costs a few
+/// instructions), and dropping or iterating a nested value recurses once per level.
 pub const RENDER_STACK_BYTES: usize = 512 << 20;
 
 impl ChatTemplate {
@@ -116,7 +138,6 @@ impl ChatTemplate {
             .build()
             .map_err(|e| template_error("syntax configuration", &e))?;
         env.set_syntax(syntax);
-        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -179,7 +200,11 @@ impl ChatTemplate {
             }
         }
         let ctx = Value::from_pairs(ctx);
-        let tmpl = self.env.get_template(NAME).map_err(|e| template_error("render error", &e))?;
+        // The budget belongs to the environment: a cheap copy (the compiled template and the
+        // functions are shared) carries this render's.
+        let mut env = self.env.clone();
+        env.set_fuel(Some(render_fuel(messages, extra)));
+        let tmpl = env.get_template(NAME).map_err(|e| template_error("render error", &e))?;
         // On a thread of its own with a large stack: dropping or iterating a value nested N deep
         // recurses N deep, and the budget lets a template nest lists a few hundred thousand deep.
         std::thread::scope(|scope| {

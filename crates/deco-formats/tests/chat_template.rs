@@ -189,7 +189,8 @@ fn hostile_templates_stop_with_an_error() {
 /// bytes in a few hundred instructions. minijinja charges fuel for every byte and list slot an
 /// operator produces, checked before it allocates, and deco's patch charges the slots of a lazy
 /// list concatenation when it is materialized (third_party/README.md), so each render stops with
-/// "out of fuel" once the budget's bytes are spent instead of exhausting memory.
+/// "out of fuel" once the budget's bytes are spent (64 per unit of `render_fuel`, about 3 MiB
+/// here) instead of exhausting memory.
 #[test]
 fn doubling_stops_at_the_render_budget() {
     let lazy = "{% set ns = namespace(l=[1]) %}{% for i in range(100) %}{% set ns.l = ns.l + ns.l %}{% endfor %}";
@@ -208,25 +209,37 @@ fn doubling_stops_at_the_render_budget() {
     }
 }
 
-/// A list doubled 30 times is lazy (2^30 items, a few bytes of memory); whatever consumes it
-/// is bounded: the filters that visit items run out of fuel, `tojson` is charged per item, and
+/// A list doubled 19 times has 2^19 items, most of them lazy (deco's patch materializes, and
+/// charges, every fifth level: the 20th doubling is over the budget). Whatever consumes it is
+/// bounded: the filters that visit items run out of fuel, `tojson` is charged per item, and
 /// printing it (`|string`, `~`) stops after 100,000 items with `...` (deco's patch).
 #[test]
 fn consuming_a_lazily_doubled_list_is_bounded() {
-    let lazy = "{% set ns = namespace(l=[1]) %}{% for i in range(30) %}{% set ns.l = ns.l + ns.l %}{% endfor %}";
-    for tail in ["{{ ns.l|join(',')|length }}", "{{ ns.l|tojson|length }}", "{{ ns.l|list|length }}", "{{ 2 in ns.l }}"] {
+    let lazy = "{% set ns = namespace(l=[1]) %}{% for i in range(19) %}{% set ns.l = ns.l + ns.l %}{% endfor %}";
+    let tails = ["{{ ns.l|join(',')|length }}", "{{ ns.l|tojson|length }}", "{{ ns.l|list|length }}", "{{ 2 in ns.l }}", "{{ ns.l|sum }}"];
+    for tail in tails.into_iter().chain(["{{ ns.l|batch(3)|list|length }}", "{{ [ns.l, ns.l|list]|sort|length }}"]) {
         let t = ChatTemplate::new(format!("{lazy}{tail}")).expect("compiles");
         let start = std::time::Instant::now();
         let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("must not render");
         assert!(err.to_string().contains("fuel"), "{tail}: {err}");
         assert!(start.elapsed() < std::time::Duration::from_secs(60), "{tail}: took {:?}", start.elapsed());
     }
+    // Used as a map key or in `unique`, it is hashed by its first 100,000 items (deco's patch).
+    for tail in ["{{ {ns.l: 1}|length }}", "{{ [ns.l, ns.l]|unique|list|length }}"] {
+        let t = ChatTemplate::new(format!("{lazy}{tail}")).expect("compiles");
+        assert_eq!(t.render(&msgs(&[("user", "Hi")]), true, "", "").expect("render"), "1", "{tail}");
+    }
+    // Printing it costs more than a short conversation's budget; with a long message (the budget
+    // grows with the input) it completes, truncated.
     let t = ChatTemplate::new(format!("{lazy}{{{{ ns.l|length }}}}|{{{{ (ns.l|string)[-30:] }}}}|{{{{ ('' ~ ns.l)|length }}}}")).expect("compiles");
-    let out = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect("render");
+    let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("over the base budget");
+    assert!(err.to_string().contains("fuel"), "{err}");
+    let long = "x".repeat(1_000_000);
+    let out = t.render(&msgs(&[("user", long.as_str())]), true, "", "").expect("render");
     let parts: Vec<&str> = out.split('|').collect();
-    assert_eq!(parts[0], (1u64 << 30).to_string());
+    assert_eq!(parts[0], (1u64 << 19).to_string());
     // minijinja's "omitted" marker: `..., ... N more]`.
-    assert!(parts[1].ends_with(&format!("... {} more]", (1u64 << 30) - 100_000)), "{out}");
+    assert!(parts[1].ends_with(&format!("... {} more]", (1u64 << 19) - 100_000)), "{out}");
     let printed: usize = parts[2].parse().expect("a length");
     assert!(printed < 1_000_000, "{out}");
 }
@@ -257,8 +270,8 @@ fn cyclic_and_deeply_nested_values_do_not_overflow_the_stack() {
         let err = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect_err("must run out of fuel");
         assert!(err.to_string().contains("fuel"), "{src}: {err}");
     }
-    // 20,000 levels fit the budget: printed up to depth 500, then `...`.
-    let t = ChatTemplate::new("{% set ns = namespace(l=[]) %}{% for i in range(20000) %}{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l }}").expect("compiles");
+    // 2,000 levels fit the budget: printed up to depth 500, then `...`.
+    let t = ChatTemplate::new("{% set ns = namespace(l=[]) %}{% for i in range(2000) %}{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l }}").expect("compiles");
     let out = t.render(&msgs(&[("user", "Hi")]), true, "", "").expect("render");
     assert!(out.starts_with(&"[".repeat(500)) && out.contains("..."), "{}", &out[..600.min(out.len())]);
 }
@@ -274,12 +287,20 @@ fn repeating_an_empty_sequence_is_immediate() {
 }
 
 /// The render budget does not bind real use: 20,000 messages through the SmolLM2 and Qwen2
-/// templates render completely.
+/// templates render completely, and so does one message of 4 MB (the budget grows with the
+/// input: `render_fuel`).
 #[test]
 fn long_conversations_fit_the_render_budget() {
     let turns: Vec<(&str, &str)> = (0..10_000).flat_map(|_| [("user", "What is 2+2?"), ("assistant", "4.")]).collect();
     for t in [smollm2_template(), ChatTemplate::new(gguf_template("tokenizer-tests/ggml-vocab-qwen2.gguf")).expect("compile")] {
         let out = t.render(&msgs(&turns), true, "", "<|im_end|>").expect("render");
         assert_eq!(out.matches("What is 2+2?").count(), 10_000);
+        let big = "word ".repeat(800_000);
+        let out = t.render(&msgs(&[("user", big.as_str())]), true, "", "<|im_end|>").expect("render a 4 MB message");
+        assert!(out.contains(&big));
     }
+    use deco_formats::chat_template::{RENDER_FUEL_BASE, RENDER_FUEL_PER_MESSAGE, render_fuel};
+    let two = msgs(&[("user", "Hi"), ("assistant", "Hello")]);
+    let bytes = serde_json::to_vec(&two).expect("json").len() as u64 + 4; // + `null`
+    assert_eq!(render_fuel(&two, &serde_json::Value::Null), RENDER_FUEL_BASE + 2 * RENDER_FUEL_PER_MESSAGE + bytes);
 }

@@ -670,12 +670,13 @@ impl fmt::Debug for ValueRepr {
                 }
                 write!(f, "'")
             }
+            // deco patch: bounded depth (`walk_deeper`).
             ValueRepr::Object(ref val) => walk_deeper(|| val.render(f)).unwrap_or_else(|| f.write_str("...")),
         }
     }
 }
 
-// deco patch (see third_party/README.md): depth of the recursive walks over values running on
+// deco patch (third_party/README.md): depth of the recursive walks over values running on
 // this thread (formatting, hashing, comparing).  A namespace can be made to contain itself
 // (`{% set ns.a = ns %}`) and a loop can nest lists hundreds of thousands deep, so these walks
 // stop at [`MAX_WALK_DEPTH`] instead of overflowing the stack.
@@ -732,6 +733,7 @@ impl Hash for Value {
             ValueRepr::Bytes(ref b) => b.hash(state),
             ValueRepr::Object(ref d) => {
                 self.is_tuple().hash(state);
+                // deco patch: bounded depth (`walk_deeper`).
                 walk_deeper(|| d.hash(state));
             }
             ValueRepr::U64(_)
@@ -767,6 +769,7 @@ impl PartialEq for Value {
                 Some(ops::CoerceResult::F64(a, b)) => a == b,
                 Some(ops::CoerceResult::I128(a, b)) => a == b,
                 Some(ops::CoerceResult::Str(a, b)) => a == b,
+                // deco patch: bounded depth (`walk_deeper`).
                 None => walk_deeper(|| {
                     if let (Some(a), Some(b)) = (self.as_object(), other.as_object()) {
                         if self.is_tuple() != other.is_tuple() {
@@ -967,6 +970,7 @@ impl Ord for Value {
                 Some(ops::CoerceResult::F64(a, b)) => cmp_f64(a, b),
                 Some(ops::CoerceResult::I128(a, b)) => a.cmp(&b),
                 Some(ops::CoerceResult::Str(a, b)) => a.cmp(b),
+                // deco patch: bounded depth (`walk_deeper`).
                 None => walk_deeper(|| {
                     if self.is_number() && other.is_number() {
                         return cmp_uncoercible_numbers(self, other);
@@ -1055,6 +1059,7 @@ impl fmt::Display for Value {
             ValueRepr::SmallStr(ref val) => write!(f, "{}", val.as_str()),
             ValueRepr::Bytes(ref val) => write!(f, "{}", String::from_utf8_lossy(val)),
             ValueRepr::U128(val) => write!(f, "{}", { val.0 }),
+            // deco patch: bounded depth (`walk_deeper`).
             ValueRepr::Object(ref x) => walk_deeper(|| write!(f, "{x}")).unwrap_or_else(|| f.write_str("...")),
         }
     }

@@ -306,6 +306,7 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         ObjectRepr::Map => render_container(f, "{...}", |f| {
             let mut dbg = f.debug_map();
             for (idx, (key, value)) in obj.try_iter_pairs().into_iter().flatten().enumerate() {
+                // deco patch: at most `MAX_WALK_ITEMS` items per top-level print.
                 if is_over_item_limit(idx) || crate::value::walk_item_over_limit() {
                     let count = obj.enumerator_len().map(|x| x - idx);
                     dbg.entry(&OmittedKey, &Omitted { count, prefix: "" });
@@ -322,7 +323,8 @@ fn default_render(obj: &DynObject, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             render_container(f, "[...]", |f| {
                 let mut dbg = f.debug_list();
                 for (idx, value) in obj.try_iter().into_iter().flatten().enumerate() {
-                    if is_over_item_limit(idx) || crate::value::walk_item_over_limit() {
+                    // deco patch: at most `MAX_WALK_ITEMS` items per top-level print.
+                if is_over_item_limit(idx) || crate::value::walk_item_over_limit() {
                         let count = obj.enumerator_len().map(|x| x - idx);
                         dbg.entry(&Omitted {
                             count,
@@ -954,7 +956,9 @@ impl DynObject {
 impl Hash for DynObject {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         if let Some(iter) = self.try_iter_pairs() {
-            for (key, value) in iter {
+            // deco patch: hash at most the first `MAX_WALK_ITEMS` entries (equal objects still
+            // hash equal); a lazily doubled list used as a map key hashed 2^30 items.
+            for (key, value) in iter.take(crate::value::MAX_WALK_ITEMS) {
                 key.hash(state);
                 value.hash(state);
             }

@@ -901,7 +901,7 @@ pub(crate) fn binop_alloc_estimate(op: &str, lhs: &Value, rhs: &Value) -> u64 {
             _ if lhs.is_tuple() && rhs.is_tuple() => (lhs.len().unwrap_or(0) as u64)
                 .saturating_add(rhs.len().unwrap_or(0) as u64)
                 .saturating_mul(SLOT_COST),
-            // deco patch (see PATCHES.md): `add` materializes a sequence concatenation whose
+            // deco patch (third_party/README.md): `add` materializes a sequence concatenation whose
             // lazy chain would be deeper than `MergeSeq::MAX_DEPTH`, so its slots are charged
             // before; one of unknown length (unsized iterables) cannot be paid for.  Without
             // this, `{% set ns.l = ns.l + ns.l %}` repeated 33 times materialized 2^33 items
