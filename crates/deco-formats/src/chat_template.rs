@@ -206,7 +206,8 @@ impl ChatTemplate {
         env.set_fuel(Some(render_fuel(messages, extra)));
         let tmpl = env.get_template(NAME).map_err(|e| template_error("render error", &e))?;
         // On a thread of its own with a large stack: dropping or iterating a value nested N deep
-        // recurses N deep, and the budget lets a template nest lists a few hundred thousand deep.
+        // recurses N deep, and a budget of F fuel lets a template nest lists about F / 7 deep
+        // (hundreds of thousands of levels for a few megabytes of input).
         std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("chat-template".into())
