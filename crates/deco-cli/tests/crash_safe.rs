@@ -195,12 +195,11 @@ fn kill_and_resume(
 ) -> Vec<usize> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut resumed_from = Vec::new();
-    let step_of = |ck: &Path| -> usize { ck.file_name().and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok()).expect("checkpoint step") };
     for _ in 0..12 {
         prepare(out);
         let last = checkpoints(out).last().cloned();
         if let Some(ck) = &last {
-            resumed_from.push(step_of(ck));
+            resumed_from.push(checkpoint_step(ck));
         }
         let finished = kill_after(train(out, last.is_some()), wall.mul_f64(rng.random_range(0.3..0.9)));
         for ck in checkpoints(out) {
@@ -217,9 +216,14 @@ fn kill_and_resume(
     resumed_from
 }
 
+/// The step of a `checkpoint-NNNNNN` directory.
+fn checkpoint_step(ck: &Path) -> usize {
+    ck.file_name().and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok()).expect("checkpoint step")
+}
+
 /// A checkpoint's `loss.csv` ends at the checkpoint's step.
 fn assert_log_ends_at_its_step(ck: &Path) {
-    let step: usize = ck.file_name().and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok()).expect("step");
+    let step = checkpoint_step(ck);
     let log = std::fs::read_to_string(ck.join("loss.csv")).expect("checkpoint loss.csv");
     assert_eq!(log.lines().last().and_then(|l| l.split(',').next()), Some(step.to_string().as_str()), "{}", ck.display());
 }
