@@ -276,6 +276,68 @@ fn cyclic_and_deeply_nested_values_do_not_overflow_the_stack() {
     assert!(out.starts_with(&"[".repeat(500)) && out.contains("..."), "{}", &out[..600.min(out.len())]);
 }
 
+/// Seventh session (found from the fuzzer's open compile-time timeout, then by reading the
+/// parser): an operator chain, unary operators, postfix operators, filters, tests, conditional
+/// expressions and assignment targets nest the expression tree one level per operator with no
+/// limit, and compiling (and dropping) the tree recursed once per level, so a template of a few
+/// hundred kilobytes aborted the process with a stack overflow while loading the model. Each
+/// such chain of 300,000 is now a syntax error; 450 levels compile, on a 2 MiB thread (a tokio
+/// worker's stack), and render to the value Python computes. Constant folding looks at most 16
+/// levels down (it walked the whole chain at every level: quadratic), so a long constant chain
+/// is partly folded and partly evaluated; the value is the same.
+#[test]
+fn long_expression_chains_are_an_error_not_a_stack_overflow() {
+    let chains: [(&str, &str, &str, &str); 12] = [
+        ("{{ x", "-1", " }}", "-445"),
+        ("{{ 1", "-1", " }}", "-449"),
+        ("{{ 1.5-False", "-1", " }}", "-448.5"),
+        ("{{ ", "- ", "x }}", "5"),
+        ("{{ ", "not ", "x }}", "True"),
+        ("{{ x", "|abs", " }}", "5"),
+        ("{{ x", " is number", " }}", "True"),
+        ("{{ x", " if x else 0", " }}", "5"),
+        ("{{ m", ".a", " }}", "None"),
+        ("{{ m", "['a']", " }}", "None"),
+        ("{{ l", "[:]", " }}", "[1]"),
+        ("{% set ns = namespace(a=1) %}{% set ns", ".a", " = 2 %}{{ ns.a }}", "2"),
+    ];
+    let render = |src: &str| {
+        let src = src.to_owned();
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let t = ChatTemplate::new(src)?;
+                t.render_with(&msgs(&[("user", "Hi")]), true, "", "", &serde_json::json!({"x": 5, "m": {"a": null}, "l": [1]}))
+            })
+            .expect("thread")
+            .join()
+            .expect("no panic")
+    };
+    for (head, op, tail, want) in chains {
+        let long = format!("{head}{}{tail}", op.repeat(300_000));
+        let err = render(&long).expect_err("a 300,000-level chain must be refused");
+        assert!(matches!(err, Error::ChatTemplate(_)) && err.to_string().contains("nests too deeply"), "{head}{op}...: {err}");
+        if op == "['a']" || op == ".a" && head.starts_with("{%") {
+            // Each level would need its own value to be nested 450 deep; one level says
+            // the construct still works.
+            let short = format!("{head}{op}{tail}");
+            assert_eq!(render(&short).expect("one level renders"), want, "{short}");
+            continue;
+        }
+        let ok = format!("{head}{}{tail}", op.repeat(450));
+        match render(&ok) {
+            Ok(out) => assert_eq!(out, want, "{head}{op}x450{tail}"),
+            // `m.a.a...`: `None.a` is undefined in minijinja as in Jinja2.
+            Err(e) if op == ".a" => assert!(e.to_string().contains("undefined"), "{e}"),
+            Err(e) => panic!("{head}{op}x450{tail}: {e}"),
+        }
+    }
+    let nested_target = format!("{{% for {}x{} in [1] %}}{{{{ x }}}}{{% endfor %}}", "(".repeat(300_000), ")".repeat(300_000));
+    assert!(render(&nested_target).expect_err("nested target").to_string().contains("nests too deeply"));
+    let nested_target = format!("{{% for {}x{} in [7] %}}{{{{ x }}}}{{% endfor %}}", "(".repeat(400), ")".repeat(400));
+    assert_eq!(render(&nested_target).expect("400 parentheses"), "7");
+}
+
 /// Fuzzing finding (chat_template, 2026-12-01): `{{92222*[]*22**2-}}` took 2.6 s in one
 /// instruction under minijinja 2.24, which repeated an empty sequence by iterating it `n` times
 /// (44.6 M empty iterations here; with these factors it would never end). minijinja 3.1 returns

@@ -212,25 +212,46 @@ impl Expr<'_> {
     }
 
     pub fn as_const(&self) -> Option<Value> {
+        self.as_const_within(MAX_FOLD_DEPTH)
+    }
+
+    // deco patch (third_party/README.md): constant folding looks at most `depth` levels down.
+    // The code generator calls `as_const` on every node of an expression, and each call walked
+    // the whole subexpression, so a long operator chain (`a - b - c - ...`, parsed as a
+    // left-deep tree without a depth limit) compiled in quadratic time. Folding is only an
+    // optimization: a subexpression too deep to fold here is folded lower down, and the rest
+    // is evaluated when rendering, to the same value.
+    fn as_const_within(&self, depth: usize) -> Option<Value> {
+        let below = depth.checked_sub(1);
         match self {
             Expr::Const(c) => Some(c.value.clone()),
             Expr::List(l) => l.as_const(),
             Expr::Tuple(t) => t.as_const(),
             Expr::Map(m) => m.as_const(),
             Expr::UnaryOp(c) => match c.op {
-                UnaryOpKind::Not => c.expr.as_const().map(|value| Value::from(!value.is_true())),
-                UnaryOpKind::Neg => c.expr.as_const().and_then(|v| ops::neg(&v).ok()),
+                UnaryOpKind::Not => c
+                    .expr
+                    .as_const_within(below?)
+                    .map(|value| Value::from(!value.is_true())),
+                UnaryOpKind::Neg => c
+                    .expr
+                    .as_const_within(below?)
+                    .and_then(|v| ops::neg(&v).ok()),
             },
             Expr::BinOp(c) => {
-                let (Some(left), Some(right)) = (c.left.as_const(), c.right.as_const()) else {
+                let below = below?;
+                let (Some(left), Some(right)) =
+                    (c.left.as_const_within(below), c.right.as_const_within(below))
+                else {
                     return None;
                 };
                 eval_binop(c.op, &left, &right)
             }
             Expr::Compare(c) => {
-                let mut left = c.expr.as_const()?;
+                let below = below?;
+                let mut left = c.expr.as_const_within(below)?;
                 for op in &c.ops {
-                    let right = op.expr.as_const()?;
+                    let right = op.expr.as_const_within(below)?;
                     if !eval_compare(op.op, &left, &right)?.is_true() {
                         return Some(Value::from(false));
                     }
@@ -246,6 +267,11 @@ impl Expr<'_> {
 /// Constant folding only creates strings and sequences up to this size.  Larger
 /// values are created at runtime where they are subject to fuel.
 const MAX_FOLDED_SIZE: u64 = 1024;
+
+/// deco patch: how many levels of operators one constant-folding attempt looks through
+/// (`Expr::as_const_within`).  Each node of an expression is tried once, so compiling costs
+/// at most this many steps per node.
+const MAX_FOLD_DEPTH: usize = 16;
 
 fn eval_binop(op: BinOpKind, left: &Value, right: &Value) -> Option<Value> {
     let alloc_op = match op {

@@ -12,6 +12,14 @@ use crate::syntax::SyntaxConfig;
 use crate::value::Value;
 
 const MAX_RECURSION: usize = 150;
+
+/// deco patch (third_party/README.md): how deep the operators, postfix operators, filters,
+/// tests and conditional expressions of one expression may nest.  Chains such as `a - b - c`
+/// or `x|f|f` are parsed in a loop into a tree one level deeper per operator, and unary
+/// operators recurse, outside `MAX_RECURSION`; compiling, dropping and printing the tree
+/// recurse once per level, so a long chain in a template (a few hundred kilobytes) overflowed
+/// the stack.  Jinja2 itself stops near this depth (Python's recursion limit of 1000).
+const MAX_EXPR_DEPTH: usize = 500;
 const RESERVED_NAMES: [&str; 8] = [
     "true", "True", "false", "False", "none", "None", "loop", "self",
 ];
@@ -183,18 +191,35 @@ struct Parser<'a> {
     #[cfg(feature = "multi_template")]
     blocks: BTreeSet<&'a str>,
     depth: usize,
+    /// deco patch: levels of the expression tree being parsed (`MAX_EXPR_DEPTH`).
+    expr_depth: usize,
+}
+
+// deco patch: one more level of expression tree; an error past `MAX_EXPR_DEPTH`.  The
+// functions that use it put `expr_depth` back before they return their expression.
+macro_rules! deepen {
+    ($parser:expr) => {{
+        $parser.expr_depth += 1;
+        if $parser.expr_depth > MAX_EXPR_DEPTH {
+            return Err(syntax_error(Cow::Borrowed(
+                "expression nests too deeply (over 500 levels of operators, filters or tests)",
+            )));
+        }
+    }};
 }
 
 macro_rules! binop {
     ($func:ident, $next:ident, { $($tok:tt)* }) => {
         fn $func(&mut self) -> Result<ast::Expr<'a>, Error> {
             let span = self.stream.current_span();
+            let saved_depth = self.expr_depth;
             let mut left = ok!(self.$next());
             loop {
                 let op = match ok!(self.stream.current()) {
                     $($tok)*
                     _ => break,
                 };
+                deepen!(self);
                 ok!(self.stream.next());
                 let right = ok!(self.$next());
                 left = ast::Expr::BinOp(Spanned::new(
@@ -202,6 +227,7 @@ macro_rules! binop {
                     self.stream.expand_span(span),
                 ));
             }
+            self.expr_depth = saved_depth;
             Ok(left)
         }
     };
@@ -216,11 +242,11 @@ macro_rules! unaryop {
                 _ => return self.$next()
             };
             ok!(self.stream.next());
+            deepen!(self);
+            let expr = ok!(self.$func());
+            self.expr_depth -= 1;
             Ok(ast::Expr::UnaryOp(Spanned::new(
-                ast::UnaryOp {
-                    op,
-                    expr: ok!(self.$func()),
-                },
+                ast::UnaryOp { op, expr },
                 self.stream.expand_span(span),
             )))
         }
@@ -264,6 +290,7 @@ impl<'a> Parser<'a> {
             #[cfg(feature = "multi_template")]
             blocks: BTreeSet::new(),
             depth: 0,
+            expr_depth: 0,
         }
     }
 
@@ -300,9 +327,11 @@ impl<'a> Parser<'a> {
 
     fn parse_ifexpr(&mut self) -> Result<ast::Expr<'a>, Error> {
         let mut span = self.stream.last_span();
+        let saved_depth = self.expr_depth;
         let mut expr = ok!(self.parse_or());
         loop {
             if skip_token!(self, Token::Ident("if")) {
+                deepen!(self);
                 let expr2 = ok!(self.parse_or());
                 let expr3 = if skip_token!(self, Token::Ident("else")) {
                     Some(ok!(self.parse_ifexpr()))
@@ -322,6 +351,7 @@ impl<'a> Parser<'a> {
                 break;
             }
         }
+        self.expr_depth = saved_depth;
         Ok(expr)
     }
 
@@ -432,9 +462,11 @@ impl<'a> Parser<'a> {
             return self.parse_primary();
         }
         ok!(self.stream.next());
+        deepen!(self);
         let operand_span = self.stream.current_span();
         let operand = ok!(self.parse_unary_only());
         let operand = ok!(self.parse_postfix(operand, operand_span));
+        self.expr_depth -= 1;
         Ok(ast::Expr::UnaryOp(Spanned::new(
             ast::UnaryOp {
                 op: ast::UnaryOpKind::Neg,
@@ -457,8 +489,15 @@ impl<'a> Parser<'a> {
         mut span: Span,
     ) -> Result<ast::Expr<'a>, Error> {
         let mut expr = expr;
+        let saved_depth = self.expr_depth;
         loop {
             let next_span = self.stream.current_span();
+            if matches!(
+                ok!(self.stream.current()),
+                Some((Token::Dot | Token::BracketOpen | Token::ParenOpen, _))
+            ) {
+                deepen!(self);
+            }
             match ok!(self.stream.current()) {
                 Some((Token::Dot, _)) => {
                     ok!(self.stream.next());
@@ -548,6 +587,7 @@ impl<'a> Parser<'a> {
             }
             span = next_span;
         }
+        self.expr_depth = saved_depth;
         Ok(expr)
     }
 
@@ -575,7 +615,14 @@ impl<'a> Parser<'a> {
 
     fn parse_filter_expr(&mut self, expr: ast::Expr<'a>) -> Result<ast::Expr<'a>, Error> {
         let mut expr = expr;
+        let saved_depth = self.expr_depth;
         loop {
+            if matches!(
+                ok!(self.stream.current()),
+                Some((Token::Pipe | Token::Ident("is"), _))
+            ) {
+                deepen!(self);
+            }
             match ok!(self.stream.current()) {
                 Some((Token::Pipe, _)) => {
                     ok!(self.stream.next());
@@ -643,6 +690,7 @@ impl<'a> Parser<'a> {
                 _ => break,
             }
         }
+        self.expr_depth = saved_depth;
         Ok(expr)
     }
 
@@ -919,8 +967,10 @@ impl<'a> Parser<'a> {
             syntax_error!("cannot assign to reserved variable name {}", id);
         }
         let mut rv = ast::Expr::Var(ast::Spanned::new(ast::Var { id }, span));
+        let saved_depth = self.expr_depth;
         if dotted {
             while skip_token!(self, Token::Dot) {
+                deepen!(self);
                 let (attr, span) = expect_token!(self, Token::Ident(name) => name, "identifier");
                 rv = ast::Expr::GetAttr(ast::Spanned::new(
                     ast::GetAttr {
@@ -931,6 +981,7 @@ impl<'a> Parser<'a> {
                 ));
             }
         }
+        self.expr_depth = saved_depth;
         Ok(rv)
     }
 
@@ -950,8 +1001,10 @@ impl<'a> Parser<'a> {
                 break;
             }
             items.push(if skip_token!(self, Token::ParenOpen) {
+                deepen!(self);
                 let rv = ok!(self.parse_assignment(dotted));
                 expect_token!(self, Token::ParenClose, "`)`");
+                self.expr_depth -= 1;
                 rv
             } else {
                 ok!(self.parse_assign_name(dotted))
