@@ -14,6 +14,12 @@ Subcommands:
           unpack vendor/llama.cpp, build the static libllama with cmake + ninja (from the
           venv's `cmake` and `ninja` packages) and link the tokenizer tool; prints its path.
           Reuses DIR when it already holds the tool.
+  bench-build --sdist TARGZ --work DIR --isa {avx2,native}
+          unpack vendor/llama.cpp and build llama.cpp's own `llama-bench` with cmake + ninja,
+          the way llama.cpp users build it (OpenMP as the compiler offers it), into
+          DIR/llama-bench-ISA/: `native` is llama.cpp's default (-march=native: AVX-512 where
+          the CPU has it), `avx2` is GGML_NATIVE=OFF (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no
+          AVX-512). Prints the binary's path; reuses it when it is there.
   cases   --tool T --model GGUF --texts JSON --out DIR
           tokenizer-tests/smollm2-cases.json: each text with and without special-token parsing.
   golden  --tool T --model GGUF --gguf-py DIR --wiki TXT --out DIR
@@ -99,6 +105,33 @@ def cmd_build(args: argparse.Namespace) -> None:
     os.replace(tmp_tool, tool)
     stamp.write_bytes(source.read_bytes())
     print(tool)
+
+
+def cmd_bench_build(args: argparse.Namespace) -> None:
+    work = Path(args.work)
+    out = work / f"llama-bench-{args.isa}"
+    binary = out / "bin" / "llama-bench"
+    stamp = out / "llama-bench.built"  # written after a complete build only
+    if binary.is_file() and stamp.is_file():
+        print(binary)
+        return
+    src = unpack_llama_cpp(args.sdist, work)
+    bindir = Path(sys.executable).parent
+    cmake, ninja = bindir / "cmake", bindir / "ninja"
+    native = "ON" if args.isa == "native" else "OFF"
+    subprocess.run([str(cmake), "-S", str(src), "-B", str(out), "-G", "Ninja",
+                    f"-DCMAKE_MAKE_PROGRAM={ninja}", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_NATIVE={native}",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_COMMON=ON",
+                    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([str(cmake), "--build", str(out), "--target", "llama-bench", "-j", str(os.cpu_count() or 2)],
+                   check=True, stdout=subprocess.DEVNULL)
+    if not binary.is_file():
+        sys.exit(f"error: the llama.cpp build did not produce {binary}")
+    stamp.write_text(args.isa + "\n")
+    print(binary)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,6 +390,10 @@ def main() -> None:
     s = sub.add_parser("build")
     s.add_argument("--sdist", required=True)
     s.add_argument("--work", required=True)
+    s = sub.add_parser("bench-build")
+    s.add_argument("--sdist", required=True)
+    s.add_argument("--work", required=True)
+    s.add_argument("--isa", required=True, choices=["avx2", "native"])
     s = sub.add_parser("cases")
     s.add_argument("--tool", required=True)
     s.add_argument("--model", required=True)
@@ -369,7 +406,8 @@ def main() -> None:
     s.add_argument("--wiki", required=True)
     s.add_argument("--out", required=True)
     args = p.parse_args()
-    {"build": cmd_build, "cases": cmd_cases, "golden": cmd_golden}[args.cmd](args)
+    {"build": cmd_build, "bench-build": cmd_bench_build, "cases": cmd_cases,
+     "golden": cmd_golden}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -47,18 +47,25 @@ pub enum BenchType {
     Q8_0,
     /// Every quantized tensor dequantized to F32 (`deco quantize --format gguf-f32`).
     F32,
+    /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M as published (`cargo xtask fetch --what qwen-0.5b`).
+    Qwen05bQ4KM,
+    /// Qwen2.5-Coder-1.5B-Instruct Q4_K_M as published (`cargo xtask fetch --what qwen-1.5b`).
+    Qwen15bQ4KM,
 }
 
 impl BenchType {
-    /// Every type, in table order.
-    pub const ALL: [BenchType; 3] = [BenchType::Q4_1, BenchType::Q8_0, BenchType::F32];
+    /// Every type `--types` accepts.
+    pub const KNOWN: [BenchType; 5] =
+        [BenchType::Q4_1, BenchType::Q8_0, BenchType::F32, BenchType::Qwen05bQ4KM, BenchType::Qwen15bQ4KM];
 
-    /// ggml's name (`Q4_1`).
+    /// ggml's name (`Q4_1`), with the model for the Qwen files.
     pub fn name(self) -> &'static str {
         match self {
             BenchType::Q4_1 => "Q4_1",
             BenchType::Q8_0 => "Q8_0",
             BenchType::F32 => "F32",
+            BenchType::Qwen05bQ4KM => "Qwen-0.5B Q4_K_M",
+            BenchType::Qwen15bQ4KM => "Qwen-1.5B Q4_K_M",
         }
     }
 
@@ -68,14 +75,25 @@ impl BenchType {
             BenchType::Q4_1 => "q4_1",
             BenchType::Q8_0 => "q8_0",
             BenchType::F32 => "f32",
+            BenchType::Qwen05bQ4KM => "qwen-0.5b",
+            BenchType::Qwen15bQ4KM => "qwen-1.5b",
         }
     }
 
-    /// Issue 5's decode goal: deco / llama.cpp decode tok/s at least this.
+    /// A fetched model file used as it is (the Qwen files), with what fetches it.
+    fn fetched(self) -> Option<(&'static str, What)> {
+        match self {
+            BenchType::Qwen05bQ4KM => Some(("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", What::Qwen05b)),
+            BenchType::Qwen15bQ4KM => Some(("models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", What::Qwen15b)),
+            _ => None,
+        }
+    }
+
+    /// Issue 19's decode goal: deco / llama.cpp decode tok/s at least this.
     pub fn decode_goal(self) -> f64 {
         match self {
-            BenchType::Q4_1 | BenchType::Q8_0 => 1.2,
             BenchType::F32 => 1.0,
+            _ => 1.2,
         }
     }
 
@@ -88,7 +106,7 @@ impl BenchType {
     /// Q4_1 file itself).
     fn quantize_args(self) -> Option<[&'static str; 6]> {
         match self {
-            BenchType::Q4_1 => None,
+            BenchType::Q4_1 | BenchType::Qwen05bQ4KM | BenchType::Qwen15bQ4KM => None,
             BenchType::Q8_0 => Some(["--method", "rtn", "--bits", "8", "--format", "gguf-q8_0"]),
             BenchType::F32 => Some(["--method", "rtn", "--bits", "8", "--format", "gguf-f32"]),
         }
@@ -100,18 +118,18 @@ impl BenchType {
 pub fn parse_types(s: &str) -> Result<Vec<BenchType>> {
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let t = BenchType::ALL
+        let t = BenchType::KNOWN
             .into_iter()
             .find(|t| t.flag().eq_ignore_ascii_case(part))
             .with_context(|| {
-                format!("--types: unknown type `{part}` (expected a comma-separated list of q4_1, q8_0, f32)")
+                format!("--types: unknown type `{part}` (expected a comma-separated list of q4_1, q8_0, f32, qwen-0.5b, qwen-1.5b)")
             })?;
         if !out.contains(&t) {
             out.push(t);
         }
     }
     if out.is_empty() {
-        bail!("--types is empty (expected a comma-separated list of q4_1, q8_0, f32)");
+        bail!("--types is empty (expected a comma-separated list of q4_1, q8_0, f32, qwen-0.5b, qwen-1.5b)");
     }
     Ok(out)
 }
@@ -143,6 +161,31 @@ pub struct GenerateOptions {
     pub deco_bin: Option<PathBuf>,
     /// Run deco with `--q8-activations`.
     pub q8_activations: bool,
+    /// Also run llama.cpp's own `llama-bench`, built from the vendored sources with cmake.
+    pub llama_bench: bool,
+    /// The instruction set both engines may use.
+    pub isa: BenchIsa,
+}
+
+/// The instruction set a `bench generate` run lets both engines use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchIsa {
+    /// Whatever the CPU has: deco's run-time dispatch, llama.cpp's `GGML_NATIVE=ON`
+    /// (`-march=native`).
+    Native,
+    /// AVX2 + FMA + F16C, no AVX-512: deco with `DECO_KERNELS=avx2`, llama-bench built with
+    /// `GGML_NATIVE=OFF` (ggml's portable x86 set: SSE4.2, AVX, AVX2, BMI2, FMA, F16C).
+    Avx2,
+}
+
+impl BenchIsa {
+    /// The `--isa` spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchIsa::Native => "native",
+            BenchIsa::Avx2 => "avx2",
+        }
+    }
 }
 
 impl GenerateOptions {
@@ -169,8 +212,53 @@ impl GenerateOptions {
         if self.q8_activations {
             s.push_str(" --q8-activations");
         }
+        if self.llama_bench {
+            s.push_str(" --llama-bench");
+        }
+        if self.isa != BenchIsa::Native {
+            s.push_str(&format!(" --isa {}", self.isa.name()));
+        }
         s
     }
+}
+
+/// One `llama-bench` run of one file (`-r 1`, after llama-bench's own warm-up): tok/s of the
+/// prompt test (`pp`) and the generation test (`tg`), at depth 0 and at depth = prompt length.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LlamaBenchStats {
+    /// pp at depth 0.
+    pub pp_d0: f64,
+    /// tg at depth 0.
+    pub tg_d0: f64,
+    /// pp at depth = prompt tokens.
+    pub pp_dp: f64,
+    /// tg at depth = prompt tokens (what deco's decode measures: the generated tokens follow a
+    /// prompt of that length).
+    pub tg_dp: f64,
+}
+
+/// Parses `llama-bench -o json`: an array of tests, each with `n_prompt`, `n_gen`, `n_depth`
+/// and `avg_ts`. Needs the four tests pp/tg at depth 0 and at depth `prompt`.
+pub fn parse_llama_bench(json_text: &str, prompt: u64, generated: u64) -> Result<LlamaBenchStats> {
+    let v: Value = serde_json::from_str(json_text.trim()).context("llama-bench printed no JSON array")?;
+    let tests = v.as_array().context("llama-bench's JSON is not an array")?;
+    let find = |n_prompt: u64, n_gen: u64, depth: u64| -> Result<f64> {
+        tests
+            .iter()
+            .find(|t| {
+                t["n_prompt"].as_u64() == Some(n_prompt)
+                    && t["n_gen"].as_u64() == Some(n_gen)
+                    && t["n_depth"].as_u64().unwrap_or(0) == depth
+            })
+            .and_then(|t| t["avg_ts"].as_f64())
+            .with_context(|| format!("llama-bench's JSON has no test n_prompt={n_prompt} n_gen={n_gen} n_depth={depth}"))
+    };
+    Ok(LlamaBenchStats {
+        pp_d0: find(prompt, 0, 0)?,
+        tg_d0: find(0, generated, 0)?,
+        pp_dp: find(prompt, 0, prompt)?,
+        tg_dp: find(0, generated, prompt)?,
+    })
 }
 
 /// Throughput numbers of one run.
@@ -523,8 +611,13 @@ fn ensure_model(
     q4_1: &Path,
     out_dir: &Path,
     ty: BenchType,
-    threads: usize,
+    o: &GenerateOptions,
 ) -> Result<PathBuf> {
+    let threads = o.threads;
+    if let Some((rel, what)) = ty.fetched() {
+        fetch::fetch(&fetch::Options { cache: o.cache.clone(), no_mirror: o.no_mirror, what: vec![what] })?;
+        return Ok(o.cache.join(rel));
+    }
     let Some(args) = ty.quantize_args() else {
         return Ok(q4_1.to_path_buf());
     };
@@ -574,6 +667,8 @@ pub struct TypeResult {
     pub llama: Vec<Stats>,
     /// deco's runs.
     pub deco: Vec<Stats>,
+    /// llama-bench's runs (`--llama-bench`).
+    pub llama_bench: Vec<LlamaBenchStats>,
 }
 
 /// Runs the benchmark, prints the tables, writes the JSON and (unless `no_docs`) the docs.
@@ -596,7 +691,17 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     if o.types.is_empty() {
         bail!("--types is empty");
     }
-    if o.skip_deco && o.skip_llama {
+    if o.isa == BenchIsa::Avx2 && !o.skip_llama {
+        bail!(
+            "--isa avx2: llama-cpp-python is compiled by pip for this CPU (-march=native) and \
+             cannot be held to AVX2; run with --llama-bench --skip-llama (llama-bench is then \
+             built with GGML_NATIVE=OFF: AVX2, no AVX-512)"
+        );
+    }
+    if o.isa == BenchIsa::Avx2 && !std::arch::is_x86_feature_detected!("avx2") {
+        bail!("--isa avx2: this CPU has no AVX2");
+    }
+    if o.skip_deco && o.skip_llama && !o.llama_bench {
         bail!("--skip-deco and --skip-llama together leave nothing to run");
     }
     fetch::fetch(&fetch::Options {
@@ -617,7 +722,7 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     let probe = build_probe(&out_dir)?;
     let mut results = Vec::new();
     for &ty in &o.types {
-        let model = ensure_model(&deco, &q4_1, &out_dir, ty, o.threads)?;
+        let model = ensure_model(&deco, &q4_1, &out_dir, ty, o)?;
         let weights = decode_weight_bytes(&gguf_tensors(&deco, &model)?)
             .with_context(|| format!("tensor table of {}", model.display()))?;
         results.push(TypeResult {
@@ -627,8 +732,10 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
             weights,
             llama: Vec::new(),
             deco: Vec::new(),
+            llama_bench: Vec::new(),
         });
     }
+    let llama_bench = if o.llama_bench { Some(build_llama_bench(&o.cache, o.isa)?) } else { None };
 
     let py = if o.skip_llama {
         None
@@ -648,6 +755,17 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         Some(py)
     };
 
+    // Without llama_bench.py (which writes a prompt of exactly N llama.cpp tokens), deco's
+    // prompt is a prefix of the text that deco's own tokenizer makes exactly N tokens, per model.
+    let own_prompts: Vec<Option<String>> = if py.is_none() && !o.skip_deco {
+        results
+            .iter()
+            .map(|r| exact_prompt(&deco, &r.model, &text, o.prompt_tokens, &out_dir).map(Some))
+            .collect::<Result<_>>()?
+    } else {
+        vec![None; results.len()]
+    };
+
     let loadavg = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     eprintln!("load average before the benchmark: {}", loadavg.trim());
     warn_if_busy(&loadavg);
@@ -663,7 +781,7 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     let mut llama_info = Value::Null;
     // Interleave engines and types so slow drifts of a shared machine hit all alike.
     for r in 0..o.repeats {
-        for res in results.iter_mut() {
+        for (i, res) in results.iter_mut().enumerate() {
             let tag = format!("[{}/{}] {:<4}", r + 1, o.repeats, res.ty.name());
             if let Some(py) = &py {
                 let v = run_llama(py, &res.model, &text, &prompt_file, o)?;
@@ -681,8 +799,24 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
                 res.llama.push(s);
                 llama_info = v;
             }
+            if let Some(bin) = &llama_bench {
+                let v = run_llama_bench(bin, &res.model, o)?;
+                eprintln!(
+                    "{tag} llama-bench pp{p} {:.2} tok/s, pp{p}@d{p} {:.2}, tg{n} {:.2}, tg{n}@d{p} {:.2}",
+                    v.pp_d0,
+                    v.pp_dp,
+                    v.tg_d0,
+                    v.tg_dp,
+                    p = o.prompt_tokens,
+                    n = o.decode_tokens
+                );
+                res.llama_bench.push(v);
+            }
             if !o.skip_deco {
-                let prompt = prompt_text(&prompt_file, py.is_some(), &text, o.prompt_tokens)?;
+                let prompt = match &own_prompts[i] {
+                    Some(p) => p.clone(),
+                    None => prompt_text(&prompt_file, py.is_some(), &text, o.prompt_tokens)?,
+                };
                 if r == 0 {
                     // Unmeasured warm-up, like llama_bench.py's (page cache, first-touch effects).
                     let w = run_deco(&deco, &res.model, &prompt, o)?;
@@ -717,7 +851,14 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         loadavg_after: loadavg_after.trim().to_owned(),
         busy: cpu_busy.map_or(load1(&loadavg) > 0.5, |b| b > BUSY_CPU_FRACTION),
     };
-    let md = render_markdown(o, &results, &bw, &meta);
+    let standalone_llama_bench = o.skip_llama && o.llama_bench;
+    let md = if standalone_llama_bench {
+        render_llama_bench(o, &results, &meta, true)
+    } else if o.llama_bench {
+        render_markdown(o, &results, &bw, &meta) + "\n" + &render_llama_bench(o, &results, &meta, false)
+    } else {
+        render_markdown(o, &results, &bw, &meta)
+    };
     println!("\n{md}");
     warn_if_busy(&loadavg);
 
@@ -729,6 +870,8 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         "loadavg_before": meta.loadavg_before,
         "loadavg_after": meta.loadavg_after,
         "omp_wait_policy": std::env::var("OMP_WAIT_POLICY").ok(),
+        "isa": o.isa.name(),
+        "cpu": cpu_description(),
         "date": meta.date,
         "commit": meta.commit,
         "bandwidth_gb_s": bw.by_size.iter().map(|(m, v)| json!({"mib": m, "passes": v})).collect::<Vec<_>>(),
@@ -748,6 +891,9 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
                 "total": r.weights.total(),
             },
             "llama_cpp": r.llama.iter().map(stats_json).collect::<Vec<_>>(),
+            "llama_bench": r.llama_bench.iter().map(|b| json!({
+                "pp_d0": b.pp_d0, "tg_d0": b.tg_d0, "pp_dp": b.pp_dp, "tg_dp": b.tg_dp,
+            })).collect::<Vec<_>>(),
             "deco": r.deco.iter().map(stats_json).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     });
@@ -757,6 +903,18 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     eprintln!("results: {}", json_path.display());
 
     if o.no_docs {
+        return Ok(());
+    }
+    if standalone_llama_bench && !o.skip_deco {
+        // deco against llama-bench only: its own section, one per ISA.
+        let path = util::workspace_root().join("docs/performance.md");
+        let old = fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let (begin, end) = llama_bench_markers(o.isa);
+        let tmp = path.with_extension("md.tmp");
+        fs::write(&tmp, splice_section_with(&old, &md, &begin, &end))
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        fs::rename(&tmp, &path).with_context(|| format!("cannot replace {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
         return Ok(());
     }
     if o.skip_deco || o.skip_llama {
@@ -788,14 +946,27 @@ pub fn command_stdout(prog: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
+/// The markers of the section a `--llama-bench --skip-llama` run writes for `isa`.
+pub fn llama_bench_markers(isa: BenchIsa) -> (String, String) {
+    (
+        format!("<!-- bench generate llama-bench {} begin -->", isa.name()),
+        format!("<!-- bench generate llama-bench {} end -->", isa.name()),
+    )
+}
+
 /// Puts `md` between [`DOC_BEGIN`] and [`DOC_END`] of `doc`; without the markers, inserts them
 /// after the first paragraph block (the first run of non-blank, non-heading lines).
 pub fn splice_section(doc: &str, md: &str) -> String {
-    let block = format!("{DOC_BEGIN}\n{}\n{DOC_END}", md.trim_end());
-    if let (Some(b), Some(e)) = (doc.find(DOC_BEGIN), doc.find(DOC_END))
+    splice_section_with(doc, md, DOC_BEGIN, DOC_END)
+}
+
+/// [`splice_section`] with other markers.
+pub fn splice_section_with(doc: &str, md: &str, begin: &str, end: &str) -> String {
+    let block = format!("{begin}\n{}\n{end}", md.trim_end());
+    if let (Some(b), Some(e)) = (doc.find(begin), doc.find(end))
         && e > b
     {
-        return format!("{}{block}{}", &doc[..b], &doc[e + DOC_END.len()..]);
+        return format!("{}{block}{}", &doc[..b], &doc[e + end.len()..]);
     }
     let lines: Vec<&str> = doc.split_inclusive('\n').collect();
     let is_text = |l: &str| !l.trim().is_empty() && !l.trim_start().starts_with('#');
@@ -955,6 +1126,97 @@ fn pct(x: f64) -> String {
     }
 }
 
+/// `model name` of the first CPU in `/proc/cpuinfo`, and which of AVX2 / AVX-512F / AVX-512
+/// VNNI it has.
+pub fn cpu_description() -> String {
+    let info = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |k: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|n| n.trim() == k))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_owned())
+            .unwrap_or_default()
+    };
+    let flags = field("flags");
+    let has = |f: &str| flags.split_whitespace().any(|x| x == f);
+    let isa: Vec<&str> = [("avx2", "AVX2"), ("avx512f", "AVX-512F"), ("avx512_vnni", "AVX-512 VNNI")]
+        .into_iter()
+        .filter(|(f, _)| has(f))
+        .map(|(_, n)| n)
+        .collect();
+    let name = field("model name");
+    format!("{} ({})", if name.is_empty() { "unknown CPU" } else { &name }, if isa.is_empty() { "no AVX2".to_owned() } else { isa.join(", ") })
+}
+
+/// The llama-bench comparison (`--llama-bench`): llama.cpp's own benchmark tool, as llama.cpp
+/// users quote it, against deco's prefill (a prompt of P tokens from an empty cache: llama-bench's
+/// pp at depth 0) and decode (N tokens after that prompt: tg at depth P). `standalone`: with the
+/// heading and the run's description (a `--skip-llama` run).
+pub fn render_llama_bench(o: &GenerateOptions, results: &[TypeResult], meta: &RunMeta, standalone: bool) -> String {
+    let (p, n) = (o.prompt_tokens, o.decode_tokens);
+    let mut s = String::new();
+    if standalone {
+        s.push_str(&format!("## deco vs llama-bench, ISA `{}` (`cargo xtask bench generate --llama-bench`)\n\n", o.isa.name()));
+        s.push_str(&format!(
+            "Measured by `{}` on {} at commit `{}`, CPU {}; load average before: {}, after: {}.{}\n\n",
+            o.command_line(),
+            if meta.date.is_empty() { "?" } else { &meta.date },
+            if meta.commit.is_empty() { "?" } else { &meta.commit },
+            cpu_description(),
+            meta.loadavg_before,
+            meta.loadavg_after,
+            if meta.busy || o.repeats < 3 {
+                " **Other work ran on the machine and/or there were fewer than 3 repeats: a smoke \
+                 test, not a measurement; do not draw conclusions from these numbers.**"
+            } else {
+                ""
+            }
+        ));
+    } else {
+        s.push_str("### llama.cpp's own `llama-bench` (same run)\n\n");
+    }
+    s.push_str(&format!(
+        "The same GGUF files for both engines, {} threads. llama-bench is built from the same vendored llama.cpp \
+         with cmake + ninja ({}; OpenMP as the compiler offers it, llama.cpp's defaults otherwise), \
+         run as `llama-bench -p {p} -n {n} -d 0,{p} -r 1 -t {}` (its own warm-up first) once per \
+         repeat, interleaved with deco. deco is `deco generate{}`{}: its prefill (a {p}-token \
+         prompt into an empty cache) is compared with pp{p} at depth 0, its decode ({n} tokens \
+         after that prompt) with tg{n} at depth {p}. tok/s as min / **median** / max over {} \
+         repeat(s); ratios of the medians, in parentheses the range of the per-repeat ratios.\n\n",
+        o.threads,
+        match o.isa {
+            BenchIsa::Native => "`GGML_NATIVE=ON`: -march=native",
+            BenchIsa::Avx2 => "`GGML_NATIVE=OFF`: SSE4.2, AVX, AVX2, BMI2, FMA, F16C, no AVX-512",
+        },
+        o.threads,
+        if o.q8_activations { " --q8-activations" } else { "" },
+        if o.isa == BenchIsa::Avx2 { " with `DECO_KERNELS=avx2` (AVX2 kernels only)" } else { "" },
+        o.repeats
+    ));
+    s.push_str(&format!(
+        "| type | llama-bench pp{p} | pp{p} @ d{p} | tg{n} | tg{n} @ d{p} | deco prefill | deco decode | prefill deco / pp{p} | goal | decode deco / tg{n} @ d{p} | goal |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+    ));
+    for r in results {
+        let col = |f: fn(&LlamaBenchStats) -> f64| r.llama_bench.iter().map(f).collect::<Vec<_>>();
+        let (pp0, ppd, tg0, tgd) = (col(|b| b.pp_d0), col(|b| b.pp_dp), col(|b| b.tg_d0), col(|b| b.tg_dp));
+        let deco_p: Vec<f64> = r.deco.iter().map(|x| x.prompt_tok_s).collect();
+        let deco_d: Vec<f64> = r.deco.iter().map(|x| x.decode_tok_s).collect();
+        let (pr, pg) = fmt_ratio(ratios(&deco_p, &pp0), r.ty.prefill_goal());
+        let (dr, dg) = fmt_ratio(ratios(&deco_d, &tgd), r.ty.decode_goal());
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {pr} | {pg} | {dr} | {dg} |\n",
+            r.ty.name(),
+            fmt_mmm(min_med_max(&pp0), 1),
+            fmt_mmm(min_med_max(&ppd), 1),
+            fmt_mmm(min_med_max(&tg0), 1),
+            fmt_mmm(min_med_max(&tgd), 1),
+            fmt_mmm(prefill_mmm(&r.deco), 1),
+            fmt_mmm(decode_mmm(&r.deco), 1),
+        ));
+    }
+    s
+}
+
 /// The markdown section (also what the terminal shows): throughput per type and engine, the
 /// ratios against issue 5's goals, and the physical decode limit.
 pub fn render_markdown(
@@ -1005,6 +1267,12 @@ pub fn render_markdown(
         if o.q8_activations { " (8-bit activations and integer dot products in the packed matmuls, as llama.cpp)" } else { " (f32 activations)" },
         o.repeats
     ));
+    if results.iter().any(|r| r.ty.fetched().is_some()) {
+        s.push_str(
+            "The Qwen rows are the published Qwen2.5-Coder-Instruct Q4_K_M files (fetched by \
+             `cargo xtask fetch --what qwen`), not made from SmolLM2.\n\n",
+        );
+    }
     s.push_str("| type | engine | prefill tok/s | decode tok/s |\n|---|---|---|---|\n");
     for r in results {
         for (name, runs) in [("llama.cpp", &r.llama), ("deco", &r.deco)] {
@@ -1255,6 +1523,101 @@ fn run_llama(
         .with_context(|| format!("xtask/scripts/llama_bench.py printed no JSON: {stdout}"))
 }
 
+/// llama.cpp's `llama-bench` for `isa`, built once from the llama-cpp-python sdist's vendored
+/// sources with the venv's cmake + ninja (`xtask/scripts/llama_reference.py bench-build`, kept
+/// in `<cache>/build/llama.cpp-VERSION/llama-bench-ISA/`; ~5 min on 2 cores).
+fn build_llama_bench(cache: &Path, isa: BenchIsa) -> Result<PathBuf> {
+    let py = python::venv_python(cache)?;
+    python::ensure_packages(&py, "import cmake, ninja", &["cmake>=3.21,<5", "ninja>=1.11"], &[])?;
+    let (package, version) = ("llama-cpp-python", LLAMA_CPP_PYTHON.trim_start_matches("llama-cpp-python=="));
+    let sdist = python::pip_download(cache, package, version, &[])?;
+    let work = cache.join("build").join(format!("llama.cpp-{version}"));
+    eprintln!("llama-bench ({}) from {} (built once: ~5 min on 2 cores)", isa.name(), sdist.display());
+    let out = Command::new(&py)
+        .arg(python::script("llama_reference.py"))
+        .args(["bench-build", "--sdist"])
+        .arg(&sdist)
+        .arg("--work")
+        .arg(&work)
+        .args(["--isa", isa.name()])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cannot run xtask/scripts/llama_reference.py bench-build")?;
+    if !out.status.success() {
+        bail!("building llama-bench failed ({}; xtask/scripts/llama_reference.py bench-build)", out.status);
+    }
+    let path = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().trim().to_owned();
+    let bin = PathBuf::from(path);
+    if !bin.is_file() {
+        bail!("llama_reference.py bench-build printed `{}`, which is not a file", bin.display());
+    }
+    Ok(bin)
+}
+
+/// One `llama-bench` run: `-p P -n N -d 0,P -r 1 -t T -o json` (llama-bench warms up first).
+fn run_llama_bench(bin: &Path, model: &Path, o: &GenerateOptions) -> Result<LlamaBenchStats> {
+    let mut cmd = Command::new(bin);
+    cmd.arg("-m")
+        .arg(model)
+        .args(["-t", &o.threads.to_string()])
+        .args(["-p", &o.prompt_tokens.to_string()])
+        .args(["-n", &o.decode_tokens.to_string()])
+        .args(["-d", &format!("0,{}", o.prompt_tokens)])
+        .args(["-r", "1", "-o", "json"])
+        .stderr(Stdio::null());
+    let shown = show(&cmd);
+    let out = cmd.output().with_context(|| format!("cannot start `{shown}`"))?;
+    if !out.status.success() {
+        bail!("`{shown}` failed ({})", out.status);
+    }
+    parse_llama_bench(&String::from_utf8_lossy(&out.stdout), o.prompt_tokens as u64, o.decode_tokens as u64)
+        .with_context(|| format!("`{shown}`"))
+}
+
+/// A prefix of the text in `text_path` that `deco tokenize` (the encoding `deco generate` uses)
+/// turns into exactly `n` tokens with `model`'s tokenizer: the shortest prefix with at least
+/// `n` tokens (bisection on the character count), then the next characters until the count is
+/// `n`. Cached as `<out_dir>/prompt-N-<model stem>.txt`.
+fn exact_prompt(deco: &Path, model: &Path, text_path: &Path, n: usize, out_dir: &Path) -> Result<String> {
+    let stem = model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let cached = out_dir.join(format!("prompt-{n}-{stem}.txt"));
+    if let Ok(t) = fs::read_to_string(&cached) {
+        return Ok(t);
+    }
+    let text = fs::read_to_string(text_path).with_context(|| format!("cannot read {}", text_path.display()))?;
+    let chars: Vec<char> = text.chars().take(n.saturating_mul(20)).collect();
+    let count = |len: usize| -> Result<usize> {
+        let prefix: String = chars[..len].iter().collect();
+        let mut cmd = Command::new(deco);
+        cmd.args(["tokenize", "--model"]).arg(model).args(["--text", &prefix]);
+        let (stdout, _) = util::output(&mut cmd)?;
+        let ids: Vec<u32> = serde_json::from_str(stdout.trim()).context("`deco tokenize` printed no JSON list")?;
+        Ok(ids.len())
+    };
+    let (mut lo, mut hi) = (0, chars.len());
+    if count(hi)? < n {
+        bail!("{} has fewer than {n} tokens for {} in its first {hi} characters", text_path.display(), model.display());
+    }
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if count(mid)? >= n {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    for len in hi..(hi + 16).min(chars.len() + 1) {
+        if count(len)? == n {
+            let prompt: String = chars[..len].iter().collect();
+            let tmp = cached.with_extension("txt.tmp");
+            fs::write(&tmp, &prompt).with_context(|| format!("cannot write {}", tmp.display()))?;
+            fs::rename(&tmp, &cached).with_context(|| format!("cannot write {}", cached.display()))?;
+            return Ok(prompt);
+        }
+    }
+    bail!("no prefix of {} is exactly {n} tokens for {}", text_path.display(), model.display())
+}
+
 /// The prompt text: the one llama_bench.py wrote (exactly N llama.cpp tokens), or, with
 /// `--skip-llama` and no earlier file, a character-based approximation.
 fn prompt_text(prompt_file: &Path, from_llama: bool, text: &Path, n: usize) -> Result<String> {
@@ -1318,6 +1681,9 @@ fn run_deco(bin: &Path, model: &Path, prompt: &str, o: &GenerateOptions) -> Resu
         .args(["--threads", &o.threads.to_string()])
         .args(o.q8_activations.then_some("--q8-activations"))
         .stdout(Stdio::null());
+    if o.isa == BenchIsa::Avx2 {
+        cmd.env("DECO_KERNELS", "avx2");
+    }
     let out = cmd
         .output()
         .with_context(|| format!("cannot start {}", bin.display()))?;
@@ -1384,7 +1750,7 @@ mod tests {
         GenerateOptions {
             cache: PathBuf::new(),
             no_mirror: false,
-            types: BenchType::ALL.to_vec(),
+            types: vec![BenchType::Q4_1, BenchType::Q8_0, BenchType::F32],
             threads: 2,
             repeats,
             prompt_tokens: 512,
@@ -1394,6 +1760,8 @@ mod tests {
             no_docs: true,
             deco_bin: None,
             q8_activations: false,
+            llama_bench: false,
+            isa: BenchIsa::Native,
         }
     }
 
@@ -1408,7 +1776,7 @@ mod tests {
 
     #[test]
     fn parses_types() -> Result<()> {
-        assert_eq!(parse_types("q4_1,q8_0,f32")?, BenchType::ALL.to_vec());
+        assert_eq!(parse_types("q4_1,q8_0,f32")?, vec![BenchType::Q4_1, BenchType::Q8_0, BenchType::F32]);
         assert_eq!(
             parse_types(" F32 , q4_1,f32,")?,
             vec![BenchType::F32, BenchType::Q4_1]
@@ -1540,6 +1908,11 @@ tensors:
                     stats(150.0, 100.0),
                     stats(250.0, 116.0),
                 ],
+                llama_bench: vec![
+                    LlamaBenchStats { pp_d0: 400.0, tg_d0: 110.0, pp_dp: 350.0, tg_dp: 100.0 },
+                    LlamaBenchStats { pp_d0: 300.0, tg_d0: 100.0, pp_dp: 250.0, tg_dp: 80.0 },
+                    LlamaBenchStats { pp_d0: 500.0, tg_d0: 105.0, pp_dp: 450.0, tg_dp: 90.0 },
+                ],
             },
             TypeResult {
                 ty: BenchType::F32,
@@ -1551,12 +1924,64 @@ tensors:
                 },
                 llama: vec![stats(600.0, 36.0)],
                 deco: vec![stats(660.0, 36.0)],
+                llama_bench: Vec::new(),
             },
         ];
         let bw = Bandwidth {
             by_size: vec![(256, vec![19.0, 20.0, 30.0]), (64, vec![48.0])],
         };
         (results, bw)
+    }
+
+    /// `llama-bench -o json` output of this llama.cpp (fields trimmed to those read and a few
+    /// neighbours): four tests, pp and tg at depth 0 and 512.
+    const LLAMA_BENCH_JSON: &str = r#"[
+  {"build_commit": "x", "n_threads": 2, "type_k": "f16", "n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 215.5, "stddev_ts": 0.0},
+  {"build_commit": "x", "n_threads": 2, "type_k": "f16", "n_prompt": 0, "n_gen": 128, "n_depth": 0, "avg_ts": 80.25, "stddev_ts": 0.0},
+  {"build_commit": "x", "n_threads": 2, "type_k": "f16", "n_prompt": 512, "n_gen": 0, "n_depth": 512, "avg_ts": 190.0, "stddev_ts": 0.0},
+  {"build_commit": "x", "n_threads": 2, "type_k": "f16", "n_prompt": 0, "n_gen": 128, "n_depth": 512, "avg_ts": 72.5, "stddev_ts": 0.0}
+]"#;
+
+    #[test]
+    fn parses_llama_bench_json() -> Result<()> {
+        let b = parse_llama_bench(LLAMA_BENCH_JSON, 512, 128)?;
+        assert_eq!(b, LlamaBenchStats { pp_d0: 215.5, tg_d0: 80.25, pp_dp: 190.0, tg_dp: 72.5 });
+        // Another prompt length than the run's is missing, not guessed.
+        let err = parse_llama_bench(LLAMA_BENCH_JSON, 256, 128).expect_err("no pp256 test in the output");
+        assert!(format!("{err:#}").contains("n_prompt=256"), "{err:#}");
+        assert!(parse_llama_bench("not json", 512, 128).is_err());
+        assert!(parse_llama_bench("{}", 512, 128).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn llama_bench_table_has_ratios_against_pp_d0_and_tg_at_depth() {
+        let (results, _) = fixture();
+        let meta = RunMeta { date: "d".into(), commit: "c".into(), ..RunMeta::default() };
+        let o = GenerateOptions { llama_bench: true, skip_llama: true, isa: BenchIsa::Avx2, ..opts(3) };
+        let md = render_llama_bench(&o, &results, &meta, true);
+        assert!(md.contains("ISA `avx2`"), "{md}");
+        assert!(md.contains("--llama-bench --isa avx2"), "{md}");
+        // Prefill: deco 200 / 150 / 250 over pp512@d0 400 / 300 / 500: medians 200 / 400 = 0.50.
+        // Decode: deco 120 / 100 / 116 over tg128@d512 100 / 80 / 90: 116 / 90 = 1.29, paired
+        // 1.20, 1.25, 1.29.
+        assert!(
+            md.contains("| Q4_1 | 300.0 / **400.0** / 500.0 | 250.0 / **350.0** / 450.0 | 100.0 / **105.0** / 110.0 | 80.0 / **90.0** / 100.0 | 150.0 / **200.0** / 250.0 | 100.0 / **116.0** / 120.0 | **0.50×** (0.50–0.50) | ≥ 1.0×: missed by 50 % | **1.29×** (1.20–1.29) | ≥ 1.2×: met |"),
+            "{md}"
+        );
+        // A type without llama-bench runs has no ratio.
+        assert!(md.contains("| F32 | – | – | – | – | 660.0 / **660.0** / 660.0 | 36.0 / **36.0** / 36.0 | – | ≥ 1.0× | – | ≥ 1.0× |"), "{md}");
+    }
+
+    #[test]
+    fn llama_bench_sections_are_per_isa() {
+        let doc = "# P\n\ntext\n";
+        let (b, e) = llama_bench_markers(BenchIsa::Avx2);
+        let once = splice_section_with(doc, "AVX2 TABLE", &b, &e);
+        let (b2, e2) = llama_bench_markers(BenchIsa::Native);
+        let both = splice_section_with(&once, "NATIVE TABLE", &b2, &e2);
+        let again = splice_section_with(&both, "AVX2 NEW", &b, &e);
+        assert!(again.contains("AVX2 NEW") && !again.contains("AVX2 TABLE") && again.contains("NATIVE TABLE"), "{again}");
     }
 
     #[test]

@@ -388,6 +388,15 @@ enum BenchCmd {
         /// the packed matmuls, as llama.cpp; needs AVX2).
         #[arg(long)]
         q8_activations: bool,
+        /// Also run llama.cpp's own `llama-bench` (built from the same vendored sources with
+        /// cmake; pp and tg at depth 0 and at the prompt length), interleaved with the others.
+        #[arg(long)]
+        llama_bench: bool,
+        /// Instruction set both engines may use: `native` (what the CPU has) or `avx2` (deco
+        /// with `DECO_KERNELS=avx2`, llama-bench built with `GGML_NATIVE=OFF`: no AVX-512).
+        /// `avx2` needs `--llama-bench --skip-llama` (pip compiles llama-cpp-python for the CPU).
+        #[arg(long, value_enum, default_value_t = bench::BenchIsa::Native)]
+        isa: bench::BenchIsa,
     },
     /// Pruning on SmolLM2-135M (magnitude / Wanda / SparseGPT, structured): perplexity, size,
     /// speed; updates docs/compression.md.
@@ -646,6 +655,8 @@ fn real_main() -> Result<()> {
                     no_docs,
                     deco_bin,
                     q8_activations,
+                    llama_bench,
+                    isa,
                 },
         } => bench::generate(&bench::GenerateOptions {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
@@ -660,6 +671,8 @@ fn real_main() -> Result<()> {
             no_docs,
             deco_bin,
             q8_activations,
+            llama_bench,
+            isa,
         }),
         Cmd::Bench {
             which:
