@@ -111,26 +111,27 @@ def cmd_bench_build(args: argparse.Namespace) -> None:
     work = Path(args.work)
     out = work / f"llama-bench-{args.isa}"
     binary = out / "bin" / "llama-bench"
-    stamp = out / "llama-bench.built"  # written after a complete build only
-    if binary.is_file() and stamp.is_file():
+    native = "ON" if args.isa == "native" else "OFF"
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_NATIVE={native}",
+             "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_COMMON=ON",
+             "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_SERVER=OFF"]
+    # Written after a complete build only, with the flags it was configured with.
+    stamp = out / "llama-bench.built"
+    if binary.is_file() and stamp.is_file() and stamp.read_text() == "\n".join(flags) + "\n":
         print(binary)
         return
     src = unpack_llama_cpp(args.sdist, work)
     bindir = Path(sys.executable).parent
     cmake, ninja = bindir / "cmake", bindir / "ninja"
-    native = "ON" if args.isa == "native" else "OFF"
     subprocess.run([str(cmake), "-S", str(src), "-B", str(out), "-G", "Ninja",
-                    f"-DCMAKE_MAKE_PROGRAM={ninja}", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_NATIVE={native}",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_COMMON=ON",
-                    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                    f"-DCMAKE_MAKE_PROGRAM={ninja}", *flags],
                    check=True, stdout=subprocess.DEVNULL)
     subprocess.run([str(cmake), "--build", str(out), "--target", "llama-bench", "-j", str(os.cpu_count() or 2)],
                    check=True, stdout=subprocess.DEVNULL)
     if not binary.is_file():
         sys.exit(f"error: the llama.cpp build did not produce {binary}")
-    stamp.write_text(args.isa + "\n")
+    stamp.write_text("\n".join(flags) + "\n")
     print(binary)
 
 

@@ -7,6 +7,9 @@
 //! dequantized) and cached in `<cache>/bench/`, so the three files hold the same network. Each
 //! repeat runs llama.cpp (llama-cpp-python, `xtask/scripts/llama_bench.py`) and `deco generate`
 //! on every type, interleaved, so drifts of a shared machine hit both engines alike.
+//! `--llama-bench` adds llama.cpp's own `llama-bench` (built from the same vendored sources with
+//! cmake, [`build_llama_bench`]) to each repeat, `--isa avx2` holds both engines to AVX2, and
+//! `--types qwen-0.5b,qwen-1.5b` adds the published Qwen2.5-Coder Q4_K_M files.
 //!
 //! Next to the throughput it prints the physical decode limit: the weight bytes one decode step
 //! reads (from the GGUF tensor table, [`decode_weight_bytes`]) divided by a read bandwidth the
@@ -698,8 +701,11 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
              built with GGML_NATIVE=OFF: AVX2, no AVX-512)"
         );
     }
-    if o.isa == BenchIsa::Avx2 && !std::arch::is_x86_feature_detected!("avx2") {
-        bail!("--isa avx2: this CPU has no AVX2");
+    if o.isa == BenchIsa::Avx2 && !o.llama_bench {
+        bail!("--isa avx2 compares deco with llama-bench: add --llama-bench (and --skip-llama)");
+    }
+    if o.isa == BenchIsa::Avx2 && !has_avx2_fma_f16c() {
+        bail!("--isa avx2: this CPU lacks AVX2, FMA or F16C (deco's AVX2 kernels need all three)");
     }
     if o.skip_deco && o.skip_llama && !o.llama_bench {
         bail!("--skip-deco and --skip-llama together leave nothing to run");
@@ -832,9 +838,14 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
                 );
                 if s.prompt_tokens != o.prompt_tokens as u64 {
                     eprintln!(
-                        "warning: deco counted {} prompt tokens, llama.cpp {}; the tokenizers \
-                         disagree on this text",
-                        s.prompt_tokens, o.prompt_tokens
+                        "warning: deco counted {} prompt tokens, {} expected; {}",
+                        s.prompt_tokens,
+                        o.prompt_tokens,
+                        if own_prompts[i].is_some() {
+                            "`deco tokenize` and `deco generate` disagree on this prompt"
+                        } else {
+                            "deco's and llama.cpp's tokenizers disagree on this text"
+                        }
                     );
                 }
                 res.deco.push(s);
@@ -898,8 +909,7 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         })).collect::<Vec<_>>(),
     });
     let json_path = out_dir.join("generate-last.json");
-    fs::write(&json_path, serde_json::to_string_pretty(&result)? + "\n")
-        .with_context(|| format!("cannot write {}", json_path.display()))?;
+    write_replacing(&json_path, serde_json::to_string_pretty(&result)? + "\n")?;
     eprintln!("results: {}", json_path.display());
 
     if o.no_docs {
@@ -910,10 +920,7 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
         let path = util::workspace_root().join("docs/performance.md");
         let old = fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
         let (begin, end) = llama_bench_markers(o.isa);
-        let tmp = path.with_extension("md.tmp");
-        fs::write(&tmp, splice_section_with(&old, &md, &begin, &end))
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        fs::rename(&tmp, &path).with_context(|| format!("cannot replace {}", path.display()))?;
+        write_replacing(&path, splice_section_with(&old, &md, &begin, &end))?;
         eprintln!("wrote {}", path.display());
         return Ok(());
     }
@@ -928,8 +935,7 @@ pub fn generate(o: &GenerateOptions) -> Result<()> {
     let path = docs.join("performance.md");
     let old =
         fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    fs::write(&path, splice_section(&old, &md))
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    write_replacing(&path, splice_section(&old, &md))?;
     eprintln!("wrote {} and {}", path.display(), svg.display());
     Ok(())
 }
@@ -944,6 +950,30 @@ pub fn command_stdout(prog: &str, args: &[&str]) -> String {
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_default()
+}
+
+/// Whether the CPU has what deco's AVX2 kernels (and ggml's `GGML_NATIVE=OFF` build) need.
+fn has_avx2_fma_f16c() -> bool {
+    #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(any(target_arch = "x86", target_arch = "x86_64")))]
+    {
+        false
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so
+/// that `path` holds either its old or its new content.
+fn write_replacing(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))
 }
 
 /// The markers of the section a `--llama-bench --skip-llama` run writes for `isa`.
@@ -1175,6 +1205,13 @@ pub fn render_llama_bench(o: &GenerateOptions, results: &[TypeResult], meta: &Ru
     } else {
         s.push_str("### llama.cpp's own `llama-bench` (same run)\n\n");
     }
+    if results.iter().any(|r| r.ty.fetched().is_some()) {
+        s.push_str(
+            "The Qwen rows are the published Qwen2.5-Coder-Instruct Q4_K_M files (fetched by \
+             `cargo xtask fetch --what qwen`); the SmolLM2 Q8_0 and F32 files are made from its \
+             Q4_1 file by `deco quantize`.\n\n",
+        );
+    }
     s.push_str(&format!(
         "The same GGUF files for both engines, {} threads. llama-bench is built from the same vendored llama.cpp \
          with cmake + ninja ({}; OpenMP as the compiler offers it, llama.cpp's defaults otherwise), \
@@ -1286,7 +1323,7 @@ pub fn render_markdown(
     }
     s.push_str(
         "\nRatios deco / llama.cpp: of the medians, in parentheses the range of the per-repeat \
-         ratios (repeat i of deco over repeat i of llama.cpp); goals from issue 5.\n\n",
+         ratios (repeat i of deco over repeat i of llama.cpp); goals from issues 5 and 19.\n\n",
     );
     s.push_str("| type | prefill deco / llama.cpp | goal | decode deco / llama.cpp | goal |\n|---|---|---|---|---|\n");
     for r in results {
@@ -1563,12 +1600,13 @@ fn run_llama_bench(bin: &Path, model: &Path, o: &GenerateOptions) -> Result<Llam
         .args(["-p", &o.prompt_tokens.to_string()])
         .args(["-n", &o.decode_tokens.to_string()])
         .args(["-d", &format!("0,{}", o.prompt_tokens)])
-        .args(["-r", "1", "-o", "json"])
-        .stderr(Stdio::null());
+        .args(["-r", "1", "-o", "json"]);
     let shown = show(&cmd);
     let out = cmd.output().with_context(|| format!("cannot start `{shown}`"))?;
     if !out.status.success() {
-        bail!("`{shown}` failed ({})", out.status);
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(10).collect::<Vec<_>>().into_iter().rev().collect();
+        bail!("`{shown}` failed ({}):\n{}", out.status, tail.join("\n"));
     }
     parse_llama_bench(&String::from_utf8_lossy(&out.stdout), o.prompt_tokens as u64, o.decode_tokens as u64)
         .with_context(|| format!("`{shown}`"))
@@ -1581,19 +1619,22 @@ fn run_llama_bench(bin: &Path, model: &Path, o: &GenerateOptions) -> Result<Llam
 fn exact_prompt(deco: &Path, model: &Path, text_path: &Path, n: usize, out_dir: &Path) -> Result<String> {
     let stem = model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let cached = out_dir.join(format!("prompt-{n}-{stem}.txt"));
-    if let Ok(t) = fs::read_to_string(&cached) {
-        return Ok(t);
-    }
-    let text = fs::read_to_string(text_path).with_context(|| format!("cannot read {}", text_path.display()))?;
-    let chars: Vec<char> = text.chars().take(n.saturating_mul(20)).collect();
-    let count = |len: usize| -> Result<usize> {
-        let prefix: String = chars[..len].iter().collect();
+    let tokens = |prompt: &str| -> Result<usize> {
         let mut cmd = Command::new(deco);
-        cmd.args(["tokenize", "--model"]).arg(model).args(["--text", &prefix]);
+        cmd.args(["tokenize", "--model"]).arg(model).args(["--text", prompt]);
         let (stdout, _) = util::output(&mut cmd)?;
         let ids: Vec<u32> = serde_json::from_str(stdout.trim()).context("`deco tokenize` printed no JSON list")?;
         Ok(ids.len())
     };
+    // A cached prompt is checked once (the tokenizer or the file may have changed since).
+    if let Ok(t) = fs::read_to_string(&cached)
+        && tokens(&t)? == n
+    {
+        return Ok(t);
+    }
+    let text = fs::read_to_string(text_path).with_context(|| format!("cannot read {}", text_path.display()))?;
+    let chars: Vec<char> = text.chars().take(n.saturating_mul(20)).collect();
+    let count = |len: usize| -> Result<usize> { tokens(&chars[..len].iter().collect::<String>()) };
     let (mut lo, mut hi) = (0, chars.len());
     if count(hi)? < n {
         bail!("{} has fewer than {n} tokens for {} in its first {hi} characters", text_path.display(), model.display());
@@ -1609,9 +1650,7 @@ fn exact_prompt(deco: &Path, model: &Path, text_path: &Path, n: usize, out_dir: 
     for len in hi..(hi + 16).min(chars.len() + 1) {
         if count(len)? == n {
             let prompt: String = chars[..len].iter().collect();
-            let tmp = cached.with_extension("txt.tmp");
-            fs::write(&tmp, &prompt).with_context(|| format!("cannot write {}", tmp.display()))?;
-            fs::rename(&tmp, &cached).with_context(|| format!("cannot write {}", cached.display()))?;
+            write_replacing(&cached, &prompt)?;
             return Ok(prompt);
         }
     }

@@ -20,6 +20,7 @@
 //! assistant masks).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, mpsc};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -144,6 +145,17 @@ struct RenderJob {
 /// deep render leaves its stack pages committed; a normal chat render uses a few thousand).
 static IDLE_RENDER_THREADS: Mutex<Vec<RenderThread>> = Mutex::new(Vec::new());
 
+/// Render threads started and not yet joined: idle in the pool, or rendering.
+static LIVE_RENDER_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// The number of render threads started and not yet joined (idle in the pool or rendering a
+/// template now). A thread that is not put back in the pool is joined, and no longer counted,
+/// before its render returns. For tests.
+#[doc(hidden)]
+pub fn live_render_threads() -> usize {
+    LIVE_RENDER_THREADS.load(Ordering::SeqCst)
+}
+
 /// A render thread: where its jobs go, and its handle, so that a thread that ends is joined by
 /// the render that ended it. A thread left to end on its own would still be running its
 /// thread-local destructors after the render returned; LeakSanitizer, checking between two
@@ -161,6 +173,7 @@ impl RenderThread {
         drop(self.jobs);
         // The thread's own panics are caught around each render; nothing is left to report.
         let _ = self.handle.join();
+        LIVE_RENDER_THREADS.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// Hands `job` to a thread just started.
@@ -203,6 +216,7 @@ fn start_render_thread() -> Result<RenderThread> {
             }
         })
         .map_err(|e| Error::ChatTemplate(format!("cannot start a render thread: {e}")))?;
+    LIVE_RENDER_THREADS.fetch_add(1, Ordering::SeqCst);
     Ok(RenderThread { jobs: tx, handle })
 }
 
