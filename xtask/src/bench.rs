@@ -1178,6 +1178,17 @@ pub fn cpu_description() -> String {
     format!("{} ({})", if name.is_empty() { "unknown CPU" } else { &name }, if isa.is_empty() { "no AVX2".to_owned() } else { isa.join(", ") })
 }
 
+/// The sentence that labels a run a smoke test (other work ran, or fewer than 3 repeats);
+/// empty otherwise.
+fn smoke_test_warning(o: &GenerateOptions, meta: &RunMeta) -> &'static str {
+    if meta.busy || o.repeats < 3 {
+        " **Other work ran on the machine and/or there were fewer than 3 repeats: a smoke \
+         test, not a measurement; do not draw conclusions from these numbers.**"
+    } else {
+        ""
+    }
+}
+
 /// The llama-bench comparison (`--llama-bench`): llama.cpp's own benchmark tool, as llama.cpp
 /// users quote it, against deco's prefill (a prompt of P tokens from an empty cache: llama-bench's
 /// pp at depth 0) and decode (N tokens after that prompt: tg at depth P). `standalone`: with the
@@ -1195,12 +1206,7 @@ pub fn render_llama_bench(o: &GenerateOptions, results: &[TypeResult], meta: &Ru
             cpu_description(),
             meta.loadavg_before,
             meta.loadavg_after,
-            if meta.busy || o.repeats < 3 {
-                " **Other work ran on the machine and/or there were fewer than 3 repeats: a smoke \
-                 test, not a measurement; do not draw conclusions from these numbers.**"
-            } else {
-                ""
-            }
+            smoke_test_warning(o, meta)
         ));
     } else {
         s.push_str("### llama.cpp's own `llama-bench` (same run)\n\n");
@@ -1279,12 +1285,7 @@ pub fn render_markdown(
         },
         meta.loadavg_before,
         meta.loadavg_after,
-        if meta.busy || o.repeats < 3 {
-            " **Other work ran on the machine and/or there were fewer than 3 repeats: a smoke \
-             test, not a measurement; do not draw conclusions from these numbers.**"
-        } else {
-            ""
-        }
+        smoke_test_warning(o, meta)
     ));
     s.push_str(&format!(
         "SmolLM2-135M-Instruct, {} threads for both engines, a prompt of {} tokens (one prefill), \
@@ -1566,7 +1567,7 @@ fn run_llama(
 fn build_llama_bench(cache: &Path, isa: BenchIsa) -> Result<PathBuf> {
     let py = python::venv_python(cache)?;
     python::ensure_packages(&py, "import cmake, ninja", &["cmake>=3.21,<5", "ninja>=1.11"], &[])?;
-    let (package, version) = ("llama-cpp-python", LLAMA_CPP_PYTHON.trim_start_matches("llama-cpp-python=="));
+    let (package, version) = fetch::LLAMA_CPP_SDIST;
     let sdist = python::pip_download(cache, package, version, &[])?;
     let work = cache.join("build").join(format!("llama.cpp-{version}"));
     eprintln!("llama-bench ({}) from {} (built once: ~5 min on 2 cores)", isa.name(), sdist.display());

@@ -391,7 +391,7 @@ fn run_step(cache: &Path, step: &str) -> Result<PathBuf> {
 
 /// The package whose sdist vendors llama.cpp: tokenizer test vectors, the sources of the
 /// tokenizer the SmolLM2 cases and the golden's prompts are tokenized with, and gguf-py.
-const LLAMA_CPP_SDIST: (&str, &str) = ("llama-cpp-python", "0.3.36");
+pub const LLAMA_CPP_SDIST: (&str, &str) = ("llama-cpp-python", "0.3.36");
 
 /// Runs a step of `xtask/scripts/llama_reference.py` into `staging`: builds llama.cpp's
 /// tokenizer tool from the sdist once (kept in `<cache>/build/`), then writes
