@@ -8,11 +8,17 @@
 //!   row and token, vectorized for AVX2 + FMA); the partials are added in task order. Every
 //!   weight is read once per call, at the streaming rate of DRAM; the `gemm` crate instead
 //!   packs the weight panel before it multiplies, which reads it twice and writes it once.
-//! - More tokens (prefill): the `gemm` crate (the f32 micro-kernels burn-flex uses), one call
+//! - More tokens (prefill) with AVX-512: deco's own register-tiled kernel ([`gemm_avx512`]; the
+//!   `gemm` crate's AVX-512 kernels need a nightly compiler, so on stable it runs AVX2 code on
+//!   these CPUs): GotoBLAS/BLIS blocking (Goto & van de Geijn 2008; BLIS's Skylake-X sgemm
+//!   micro-kernel shape, transposed for a row-major `y`), a 12-token × 32-column tile in 24
+//!   vector accumulators.
+//! - More tokens otherwise: the `gemm` crate (the f32 micro-kernels burn-flex uses), one call
 //!   per rayon task on its range of output columns.
 //!
 //! A token's result depends on which path ran (the summation orders differ by f32 rounding),
-//! not on the other tokens of the call within a path.
+//! not on the other tokens of the call within the streaming and the AVX-512 paths, nor on the
+//! thread count.
 
 use rayon::prelude::*;
 
@@ -78,6 +84,12 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
                 *v = sum;
             }
         });
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx512 {
+        // SAFETY: `Isa::detect` found AVX-512 F; the lengths were checked above.
+        unsafe { gemm_avx512(x, n, w, inner, out, y) };
         return Ok(());
     }
     (0..out.div_ceil(cols)).into_par_iter().for_each(|ci| {
@@ -201,4 +213,148 @@ fn stream(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, rows: std::o
 #[target_feature(enable = "avx2,fma")]
 unsafe fn stream_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, rows: std::ops::Range<usize>, acc: &mut [f32]) {
     stream(x, n, w, inner, out, rows, acc);
+}
+
+/// Tokens per register tile of [`gemm_avx512`] (the broadcast side).
+#[cfg(target_arch = "x86_64")]
+const MR: usize = 12;
+/// Output columns per register tile of [`gemm_avx512`] (two 16-lane vectors).
+#[cfg(target_arch = "x86_64")]
+const NR: usize = 32;
+/// Inner-dimension block: a packed `MR × KC` token panel (18 KiB) stays in L1 while the
+/// weight strips stream past it from L2.
+#[cfg(target_arch = "x86_64")]
+const KC: usize = 384;
+/// Output columns per packed weight block: `KC × NC` floats (768 KiB) stay in L2.
+#[cfg(target_arch = "x86_64")]
+const NC: usize = 512;
+
+/// `y = x · w` for `n > SMALL_N` with AVX-512 F (see [`matmul`] for the shapes).
+///
+/// Work is cut into rayon tasks over (token range, column range), at least 4 per thread. In a
+/// task, for each block of [`NC`] columns and [`KC`] inner rows: the weight block is packed into
+/// strips of [`NR`] columns (`[KC][NR]`, zero-padded), then each group of [`MR`] tokens is
+/// multiplied with every strip by [`tile_avx512`], reading the tokens' rows in place (the last,
+/// partial group packed with zero rows). Every output is `Σ` over the inner blocks in order of one FMA chain per
+/// block, so its bits depend on neither the tiling, the other tokens nor the thread count.
+///
+/// # Safety
+/// AVX-512 F must be available; `x`, `w`, `y` must have the lengths `matmul` checks.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gemm_avx512(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut [f32]) {
+    let threads = rayon::current_num_threads().max(1);
+    let target = 4 * threads;
+    let col_chunk = out.div_ceil(target).next_multiple_of(NR).max(128).min(out.next_multiple_of(NR));
+    let col_tasks = out.div_ceil(col_chunk);
+    let tok_tasks = target.div_ceil(col_tasks).min(n.div_ceil(MR)).max(1);
+    let tok_chunk = n.div_ceil(tok_tasks).next_multiple_of(MR);
+    let tok_tasks = n.div_ceil(tok_chunk);
+    let yp = SyncPtr(y.as_mut_ptr());
+    (0..tok_tasks * col_tasks).into_par_iter().for_each(|task| {
+        let (ti, ci) = (task / col_tasks, task % col_tasks);
+        let (t0, t1) = (ti * tok_chunk, ((ti + 1) * tok_chunk).min(n));
+        let (c0, c1) = (ci * col_chunk, ((ci + 1) * col_chunk).min(out));
+        PANELS.with(|panels| {
+        let mut panels = panels.borrow_mut();
+        let (wp, xp) = &mut *panels;
+        wp.resize(KC * NC, 0.0);
+        xp.resize(KC * MR, 0.0);
+        for nc0 in (c0..c1).step_by(NC) {
+            let nc1 = (nc0 + NC).min(c1);
+            let strips = (nc1 - nc0).div_ceil(NR);
+            for pc in (0..inner).step_by(KC) {
+                let kc = KC.min(inner - pc);
+                // Pack w[pc .. pc + kc, nc0 .. nc1] into strips [s][k][NR], zero past nc1.
+                for s in 0..strips {
+                    let (j0, j1) = (nc0 + s * NR, (nc0 + (s + 1) * NR).min(nc1));
+                    let strip = &mut wp[s * KC * NR..s * KC * NR + kc * NR];
+                    for (k, dst) in strip.chunks_exact_mut(NR).enumerate() {
+                        let row = (pc + k) * out;
+                        dst[..j1 - j0].copy_from_slice(&w[row + j0..row + j1]);
+                        dst[j1 - j0..].fill(0.0);
+                    }
+                }
+                for m0 in (t0..t1).step_by(MR) {
+                    let mr = MR.min(t1 - m0);
+                    // A full group of tokens is read in place (row stride `inner`); the last,
+                    // partial group is packed transposed into [k][MR] with zero rows past mr.
+                    let (a, rs, cs) = if mr == MR {
+                        (x[m0 * inner + pc..].as_ptr(), inner, 1)
+                    } else {
+                        for i in 0..MR {
+                            for k in 0..kc {
+                                xp[k * MR + i] = if i < mr { x[(m0 + i) * inner + pc + k] } else { 0.0 };
+                            }
+                        }
+                        (xp.as_ptr(), 1, MR)
+                    };
+                    for s in 0..strips {
+                        let j0 = nc0 + s * NR;
+                        let nv = NR.min(nc1 - j0);
+                        // SAFETY: rows m0 .. m0 + mr, columns j0 .. j0 + nv of y belong to this
+                        // task only; `a` reaches MR rows of kc values (x's rows m0 .. m0 + MR,
+                        // or the packed panel), the weight strip kc · NR floats.
+                        unsafe {
+                            tile_avx512(kc, a, rs, cs, wp.as_ptr().add(s * KC * NR), yp.get().add(m0 * out + j0), out, mr, nv, pc == 0)
+                        };
+                    }
+                }
+            }
+        }
+        });
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The packed weight block (`KC × NC`) and token panel (`KC × MR`) of [`gemm_avx512`], one
+    /// pair per worker thread, reused across calls (a fresh 768 KiB block per task cost page
+    /// faults and zeroing comparable to a small projection's arithmetic). Every element a tile
+    /// reads is written first in the same task, padding included.
+    static PANELS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// One register tile: `acc[i, j] = Σ_k a[i·rs + k·cs] · wp[k, j]` for `MR × NR` outputs (one
+/// FMA chain each, in `k` order), then `y[i, j] = acc` (`first`) or `y[i, j] += acc` for the
+/// first `mr` rows and `nv` columns (masked stores).
+///
+/// # Safety
+/// AVX-512 F; `a[i·rs + k·cs]` is readable for `i < MR`, `k < kc`; `wp` holds `kc · NR` floats;
+/// `y` (row stride `ldy`) is writable for `mr` rows of `nv` columns.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx512(kc: usize, a: *const f32, rs: usize, cs: usize, wp: *const f32, y: *mut f32, ldy: usize, mr: usize, nv: usize, first: bool) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    // SAFETY: i < MR rows of `a`.
+    let rows: [*const f32; MR] = std::array::from_fn(|i| unsafe { a.add(i * rs) });
+    for k in 0..kc {
+        // SAFETY (whole block): k < kc, so the reads stay inside `a` and the packed strip.
+        unsafe {
+            let b0 = _mm512_loadu_ps(wp.add(k * NR));
+            let b1 = _mm512_loadu_ps(wp.add(k * NR + 16));
+            for (row, p) in acc.iter_mut().zip(rows) {
+                let ai = _mm512_set1_ps(*p.add(k * cs));
+                row[0] = _mm512_fmadd_ps(ai, b0, row[0]);
+                row[1] = _mm512_fmadd_ps(ai, b1, row[1]);
+            }
+        }
+    }
+    let m0: __mmask16 = if nv >= 16 { 0xFFFF } else { (1u16 << nv) - 1 };
+    let m1: __mmask16 = if nv >= 32 { 0xFFFF } else if nv > 16 { (1u16 << (nv - 16)) - 1 } else { 0 };
+    for (i, row) in acc.iter().enumerate().take(mr) {
+        // SAFETY: row i < mr of y, columns masked to nv.
+        unsafe {
+            let p = y.add(i * ldy);
+            let (mut v0, mut v1) = (row[0], row[1]);
+            if !first {
+                v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, p), v0);
+                v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, p.wrapping_add(16)), v1);
+            }
+            _mm512_mask_storeu_ps(p, m0, v0);
+            // With nv ≤ 16 the mask is empty and nothing is accessed there.
+            _mm512_mask_storeu_ps(p.wrapping_add(16), m1, v1);
+        }
+    }
 }
