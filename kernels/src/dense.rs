@@ -54,6 +54,11 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
     if n == 0 || out == 0 {
         return Ok(());
     }
+    if inner == 0 {
+        // An empty sum.
+        y.fill(0.0);
+        return Ok(());
+    }
     let threads = rayon::current_num_threads().max(1);
     let cols = out.div_ceil(4 * threads).next_multiple_of(8).max(MIN_COLS).min(out);
     let yp = SyncPtr(y.as_mut_ptr());
@@ -238,8 +243,9 @@ const NC: usize = 512;
 /// task, for each block of [`NC`] columns and [`KC`] inner rows: the weight block is packed into
 /// strips of [`NR`] columns (`[KC][NR]`, zero-padded), then each group of [`MR`] tokens is
 /// multiplied with every strip by [`tile_avx512`], reading the tokens' rows in place (the last,
-/// partial group packed with zero rows). Every output is `Σ` over the inner blocks in order of one FMA chain per
-/// block, so its bits depend on neither the tiling, the other tokens nor the thread count.
+/// partial group packed with zero rows). Every output is `Σ` over the inner blocks in order of
+/// one FMA chain per block, so its bits depend on neither the tiling, the other tokens nor the
+/// thread count.
 ///
 /// # Safety
 /// AVX-512 F must be available; `x`, `w`, `y` must have the lengths `matmul` checks.
@@ -258,52 +264,52 @@ unsafe fn gemm_avx512(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
         let (t0, t1) = (ti * tok_chunk, ((ti + 1) * tok_chunk).min(n));
         let (c0, c1) = (ci * col_chunk, ((ci + 1) * col_chunk).min(out));
         PANELS.with(|panels| {
-        let mut panels = panels.borrow_mut();
-        let (wp, xp) = &mut *panels;
-        wp.resize(KC * NC, 0.0);
-        xp.resize(KC * MR, 0.0);
-        for nc0 in (c0..c1).step_by(NC) {
-            let nc1 = (nc0 + NC).min(c1);
-            let strips = (nc1 - nc0).div_ceil(NR);
-            for pc in (0..inner).step_by(KC) {
-                let kc = KC.min(inner - pc);
-                // Pack w[pc .. pc + kc, nc0 .. nc1] into strips [s][k][NR], zero past nc1.
-                for s in 0..strips {
-                    let (j0, j1) = (nc0 + s * NR, (nc0 + (s + 1) * NR).min(nc1));
-                    let strip = &mut wp[s * KC * NR..s * KC * NR + kc * NR];
-                    for (k, dst) in strip.chunks_exact_mut(NR).enumerate() {
-                        let row = (pc + k) * out;
-                        dst[..j1 - j0].copy_from_slice(&w[row + j0..row + j1]);
-                        dst[j1 - j0..].fill(0.0);
-                    }
-                }
-                for m0 in (t0..t1).step_by(MR) {
-                    let mr = MR.min(t1 - m0);
-                    // A full group of tokens is read in place (row stride `inner`); the last,
-                    // partial group is packed transposed into [k][MR] with zero rows past mr.
-                    let (a, rs, cs) = if mr == MR {
-                        (x[m0 * inner + pc..].as_ptr(), inner, 1)
-                    } else {
-                        for i in 0..MR {
-                            for k in 0..kc {
-                                xp[k * MR + i] = if i < mr { x[(m0 + i) * inner + pc + k] } else { 0.0 };
-                            }
-                        }
-                        (xp.as_ptr(), 1, MR)
-                    };
+            let mut panels = panels.borrow_mut();
+            let (wp, xp) = &mut *panels;
+            wp.resize(KC * NC, 0.0);
+            xp.resize(KC * MR, 0.0);
+            for nc0 in (c0..c1).step_by(NC) {
+                let nc1 = (nc0 + NC).min(c1);
+                let strips = (nc1 - nc0).div_ceil(NR);
+                for pc in (0..inner).step_by(KC) {
+                    let kc = KC.min(inner - pc);
+                    // Pack w[pc .. pc + kc, nc0 .. nc1] into strips [s][k][NR], zero past nc1.
                     for s in 0..strips {
-                        let j0 = nc0 + s * NR;
-                        let nv = NR.min(nc1 - j0);
-                        // SAFETY: rows m0 .. m0 + mr, columns j0 .. j0 + nv of y belong to this
-                        // task only; `a` reaches MR rows of kc values (x's rows m0 .. m0 + MR,
-                        // or the packed panel), the weight strip kc · NR floats.
-                        unsafe {
-                            tile_avx512(kc, a, rs, cs, wp.as_ptr().add(s * KC * NR), yp.get().add(m0 * out + j0), out, mr, nv, pc == 0)
+                        let (j0, j1) = (nc0 + s * NR, (nc0 + (s + 1) * NR).min(nc1));
+                        let strip = &mut wp[s * KC * NR..s * KC * NR + kc * NR];
+                        for (k, dst) in strip.chunks_exact_mut(NR).enumerate() {
+                            let row = (pc + k) * out;
+                            dst[..j1 - j0].copy_from_slice(&w[row + j0..row + j1]);
+                            dst[j1 - j0..].fill(0.0);
+                        }
+                    }
+                    for m0 in (t0..t1).step_by(MR) {
+                        let mr = MR.min(t1 - m0);
+                        // A full group of tokens is read in place (row stride `inner`); the last,
+                        // partial group is packed transposed into [k][MR] with zero rows past mr.
+                        let (a, rs, cs) = if mr == MR {
+                            (x[m0 * inner + pc..].as_ptr(), inner, 1)
+                        } else {
+                            for i in 0..MR {
+                                for k in 0..kc {
+                                    xp[k * MR + i] = if i < mr { x[(m0 + i) * inner + pc + k] } else { 0.0 };
+                                }
+                            }
+                            (xp.as_ptr(), 1, MR)
                         };
+                        for s in 0..strips {
+                            let j0 = nc0 + s * NR;
+                            let nv = NR.min(nc1 - j0);
+                            // SAFETY: rows m0 .. m0 + mr, columns j0 .. j0 + nv of y belong to this
+                            // task only; `a` reaches MR rows of kc values (x's rows m0 .. m0 + MR,
+                            // or the packed panel), the weight strip kc · NR floats.
+                            unsafe {
+                                tile_avx512(kc, a, rs, cs, wp.as_ptr().add(s * KC * NR), yp.get().add(m0 * out + j0), out, mr, nv, pc == 0)
+                            };
+                        }
                     }
                 }
             }
-        }
         });
     });
 }
@@ -311,7 +317,7 @@ unsafe fn gemm_avx512(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
     /// The packed weight block (`KC × NC`) and token panel (`KC × MR`) of [`gemm_avx512`], one
-    /// pair per worker thread, reused across calls (a fresh 768 KiB block per task cost page
+    /// pair per worker thread, reused across calls (a fresh 1.1 MiB block per task cost page
     /// faults and zeroing comparable to a small projection's arithmetic). Every element a tile
     /// reads is written first in the same task, padding included.
     static PANELS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };

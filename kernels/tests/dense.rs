@@ -58,6 +58,13 @@ fn wrong_lengths_are_errors() {
     assert!(matches!(matmul(&[0.0; 6], 2, &[0.0; 8], 3, 3, &mut y), Err(Error::Length { .. })));
     assert!(matches!(matmul(&[0.0; 6], 2, &[0.0; 9], 3, 3, &mut y[..5]), Err(Error::Length { .. })));
     assert!(matmul(&[], 0, &[0.0; 9], 3, 3, &mut []).is_ok());
+    // An inner size of 0 is an empty sum on every path (it divided by zero on the streaming
+    // path, and the AVX-512 path wrote nothing).
+    for n in [1, SMALL_N + 1, 40] {
+        let mut y = vec![f32::NAN; n * 5];
+        matmul(&[], n, &[], 0, 5, &mut y).expect("inner 0");
+        assert!(y.iter().all(|&v| v == 0.0), "n={n}: {y:?}");
+    }
 }
 
 proptest! {
