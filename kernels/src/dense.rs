@@ -130,16 +130,17 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
     Ok(())
 }
 
-/// Side of the square blocks of [`gram`].
+/// Side of the square blocks of [`gram`] on the `gemm` crate's path.
 const GRAM_BLOCK: usize = 128;
 
-/// The Gram matrix `xᵀ x` of `n` rows of `cols` features, f32 products accumulated in f32 by
-/// the `gemm` crate (what a device `xᵀ · x` matmul computes).
+/// The Gram matrix `xᵀ x` of `n` rows of `cols` features, f32 products accumulated in f32.
 ///
-/// Symmetric rank-k update (BLAS `ssyrk`): only the `128 × 128` blocks on and below the
-/// diagonal are multiplied (about half the `n · cols²` multiply-adds of a full product), in
-/// parallel over the blocks, then mirrored. Used for the calibration Hessians of GPTQ and
-/// SparseGPT (`H = 2 XᵀX / n`).
+/// Symmetric rank-k update (BLAS `ssyrk`): only the blocks on and below the diagonal are
+/// multiplied (about half the `n · cols²` multiply-adds of a full product), in parallel over the
+/// blocks, then mirrored. With AVX-512 the blocks are `192 × 192` and run on deco's register
+/// tile ([`gemm_avx512`]'s, with `x`'s columns packed as the broadcast side; strips wholly above
+/// the diagonal skipped); otherwise `128 × 128` blocks on the `gemm` crate. Used for the
+/// calibration Hessians of GPTQ and SparseGPT (`H = 2 XᵀX / n`).
 ///
 /// # Shapes
 /// - `x`: `[n, cols]`
@@ -153,6 +154,13 @@ pub fn gram(x: &[f32], n: usize, cols: usize) -> Result<Vec<f32>> {
     }
     let mut g = vec![0.0f32; cols * cols];
     if n == 0 || cols == 0 {
+        return Ok(g);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx512 {
+        // SAFETY: `Isa::detect` found AVX-512 F; `x` is `n · cols`, `g` is `cols · cols`.
+        unsafe { gram_avx512(x, n, cols, &mut g) };
+        mirror_lower(&mut g, cols);
         return Ok(g);
     }
     let nb = cols.div_ceil(GRAM_BLOCK);
@@ -188,12 +196,92 @@ pub fn gram(x: &[f32], n: usize, cols: usize) -> Result<Vec<f32>> {
             );
         }
     });
+    mirror_lower(&mut g, cols);
+    Ok(g)
+}
+
+/// Copies the strict lower triangle of the `[cols, cols]` matrix `g` onto its upper triangle.
+fn mirror_lower(g: &mut [f32], cols: usize) {
     for i in 0..cols {
         for j in i + 1..cols {
             g[i * cols + j] = g[j * cols + i];
         }
     }
-    Ok(g)
+}
+
+/// Copies columns `j0 .. j1` (at most `L`) of the row-major `x` (row stride `cols`) into the
+/// rows of `L` floats of `dst`, zero past `j1`; a full width is a fixed-size copy.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn pack_columns<const L: usize>(x: &[f32], cols: usize, j0: usize, j1: usize, dst: &mut [f32]) {
+    let w = j1 - j0;
+    for (row, d) in x.chunks_exact(cols).zip(dst.chunks_exact_mut(L)) {
+        if w == L {
+            let src: &[f32; L] = row[j0..j1].try_into().expect("L columns");
+            d.copy_from_slice(src);
+        } else {
+            d[..w].copy_from_slice(&row[j0..j1]);
+            d[w..].fill(0.0);
+        }
+    }
+}
+
+/// Rows and columns of `xᵀx` per task of [`gram_avx512`]: 16 register tiles tall, 6 strips wide
+/// (SmolLM2's 576 and 1,536 features are 3 and 8 blocks).
+#[cfg(target_arch = "x86_64")]
+const GRAM_TILE: usize = 192;
+
+/// The blocks on and below the diagonal of `g = xᵀ x` (`x` is `[n, cols]`, `g` is
+/// `[cols, cols]`, zero on entry) with AVX-512 F: [`gemm_avx512`]'s blocking with the features
+/// as both sides. Per task (a `GRAM_TILE` block of `g`) and per [`KC`] tokens: the block's
+/// columns of `x` are packed into [`NR`]-wide strips, each group of [`MR`] rows of `g` into a
+/// `[KC][MR]` panel (`x`'s columns `m0 .. m0 + MR`, zero past the block), and [`tile_avx512`]
+/// multiplies the panel with every strip not wholly above the diagonal. Each output is `Σ` over
+/// the token blocks in order of one FMA chain per block, independent of the thread count.
+///
+/// # Safety
+/// AVX-512 F must be available; `x.len() == n · cols`, `g.len() == cols · cols`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gram_avx512(x: &[f32], n: usize, cols: usize, g: &mut [f32]) {
+    let nb = cols.div_ceil(GRAM_TILE);
+    let blocks: Vec<(usize, usize)> = (0..nb).flat_map(|i| (0..=i).map(move |j| (i, j))).collect();
+    let gp = SyncPtr(g.as_mut_ptr());
+    blocks.into_par_iter().for_each(|(bi, bj)| {
+        let (r0, r1) = (bi * GRAM_TILE, ((bi + 1) * GRAM_TILE).min(cols));
+        let (c0, c1) = (bj * GRAM_TILE, ((bj + 1) * GRAM_TILE).min(cols));
+        let strips = (c1 - c0).div_ceil(NR);
+        PANELS.with(|panels| {
+            let mut panels = panels.borrow_mut();
+            let (wp, xp) = &mut *panels;
+            wp.resize(KC * NC, 0.0);
+            xp.resize(KC * MR, 0.0);
+            for pc in (0..n).step_by(KC) {
+                let kc = KC.min(n - pc);
+                // Pack x[pc .. pc + kc, c0 .. c1] into strips [s][k][NR], zero past c1.
+                for s in 0..strips {
+                    let (j0, j1) = (c0 + s * NR, (c0 + (s + 1) * NR).min(c1));
+                    let strip = &mut wp[s * KC * NR..s * KC * NR + kc * NR];
+                    pack_columns::<NR>(&x[pc * cols..(pc + kc) * cols], cols, j0, j1, strip);
+                }
+                for m0 in (r0..r1).step_by(MR) {
+                    // Pack x[pc .. pc + kc, m0 .. m0 + mr] as [k][MR], zero rows past mr.
+                    let mr = MR.min(r1 - m0);
+                    pack_columns::<MR>(&x[pc * cols..(pc + kc) * cols], cols, m0, m0 + mr, &mut xp[..kc * MR]);
+                    for s in 0..strips {
+                        let j0 = c0 + s * NR;
+                        if j0 >= m0 + mr {
+                            // Wholly above the diagonal: mirrored from below afterwards.
+                            break;
+                        }
+                        let nv = NR.min(c1 - j0);
+                        // SAFETY: rows m0 .. m0 + mr, columns j0 .. j0 + nv of g belong to this
+                        // task's block only; the panel holds kc · MR floats, the strip kc · NR.
+                        unsafe { tile_avx512(kc, xp.as_ptr(), 1, MR, wp.as_ptr().add(s * KC * NR), gp.get().add(m0 * cols + j0), cols, mr, nv, pc == 0) };
+                    }
+                }
+            }
+        });
+    });
 }
 
 /// The streaming loop over weight rows `rows`: `acc[t, ..] = Σ_{i ∈ rows} x[t, i] · w[i, ..]`

@@ -1,6 +1,7 @@
 //! The host f32 matmul (`deco_kernels::dense::matmul`) against an f64 reference, both paths
 //! (streaming at few tokens, `gemm` beyond), and the batch invariance of the streaming path;
-//! the lower-block Gram matrix (`dense::gram`) against the same reference.
+//! the lower-block Gram matrix (`dense::gram`) against the same reference (and its thread
+//! invariance).
 
 use deco_kernels::dense::{SMALL_N, gram, matmul};
 use deco_kernels::error::Error;
@@ -153,4 +154,32 @@ fn avx512_prefill_path_is_batch_and_thread_invariant() {
     let mut y1 = vec![0.0f32; 53 * out];
     one.install(|| matmul(&big, 53, &w, inner, out, &mut y1)).expect("matmul");
     assert_eq!(bits(&y1), bits(&y_big), "one thread against the default pool");
+}
+
+/// The Gram matrix across several token blocks (1,300 tokens: the AVX-512 path's blocks of 576
+/// tokens, the last one ragged) and ragged column tiles (430 features: two full 192-wide tiles
+/// and a 46-wide one) against the f64 product, exactly symmetric, and the same bits on one
+/// thread as on the default pool.
+#[test]
+fn gram_over_token_blocks_matches_f64_and_is_thread_invariant() {
+    let (n, cols) = (1300, 430);
+    let x = values(3, n * cols);
+    let g = gram(&x, n, cols).expect("gram");
+    for i in 0..cols {
+        for j in 0..=i {
+            let (mut want, mut mag) = (0.0f64, 0.0f64);
+            for t in 0..n {
+                let p = x[t * cols + i] as f64 * x[t * cols + j] as f64;
+                want += p;
+                mag += p.abs();
+            }
+            let got = g[i * cols + j] as f64;
+            assert!((got - want).abs() <= 1e-5 * mag + 1e-6, "({i},{j}): {got} vs {want}");
+            assert_eq!(g[i * cols + j].to_bits(), g[j * cols + i].to_bits(), "({i},{j}) not symmetric");
+        }
+    }
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+    let g1 = one.install(|| gram(&x, n, cols)).expect("gram");
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&g1), bits(&g), "one thread against the default pool");
 }
