@@ -174,16 +174,23 @@ impl WindowAttention<'_> {
         let [_, kvh, _] = k.dims();
         let kvrow = kvh * hd;
         let device = q.device();
-        let (qh, kh, vh) = (crate::host::to_host(q)?, crate::host::to_host(k)?, crate::host::to_host(v)?);
         let table = [0u32];
-        let mut views = Vec::with_capacity(n);
-        for &(s, len) in self.spans {
-            let (kw, vw) = (&kh[s * kvrow..(s + len) * kvrow], &vh[s * kvrow..(s + len) * kvrow]);
-            views.extend((1..=len).map(|l| SeqKv { k: kw, v: vw, block_table: &table, block_size: len, len: l }));
-        }
         let mut out = vec![0.0f32; n * heads * hd];
-        paged_decode_attention(&qh, AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd }, &views, &mut out)
-            .map_err(|e| Error::InvalidInput(format!("window attention: {e}")))?;
+        // The three inputs borrowed in place where the CPU device allows it (`with_host`).
+        use crate::host::with_host;
+        let attended = with_host(&q, |qh| {
+            with_host(&k, |kh| {
+                with_host(&v, |vh| {
+                    let mut views = Vec::with_capacity(n);
+                    for &(s, len) in self.spans {
+                        let (kw, vw) = (&kh[s * kvrow..(s + len) * kvrow], &vh[s * kvrow..(s + len) * kvrow]);
+                        views.extend((1..=len).map(|l| SeqKv { k: kw, v: vw, block_table: &table, block_size: len, len: l }));
+                    }
+                    paged_decode_attention(qh, AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd }, &views, &mut out)
+                })
+            })
+        });
+        attended.and_then(|r| r).and_then(|r| r)?.map_err(|e| Error::InvalidInput(format!("window attention: {e}")))?;
         Ok(Tensor::from_data(TensorData::new(out, [n, heads * hd]), &device))
     }
 }
@@ -279,9 +286,8 @@ impl Pass<'_> {
         let device = gu.device();
         if device == Device::flex() && !device.is_autodiff() {
             // On the CPU without autodiff: the fused host SwiGLU (one pass, vectorized exp).
-            let host = crate::host::to_host(gu)?;
             let mut h = vec![0.0f32; n * i];
-            deco_kernels::act::swiglu(&host, n, i, &mut h).map_err(|e| Error::InvalidInput(format!("swiglu: {e}")))?;
+            crate::host::with_host(&gu, |host| deco_kernels::act::swiglu(host, n, i, &mut h))?.map_err(|e| Error::InvalidInput(format!("swiglu: {e}")))?;
             return Ok(Tensor::from_data(TensorData::new(h, [n, i]), &device));
         }
         Ok(swiglu(gu.clone().slice([0..n, 0..i]), gu.slice([0..n, i..2 * i])))
@@ -345,17 +351,16 @@ impl LinearWeight {
             LinearWeight::Host(w) => {
                 let [n, _] = x.dims();
                 let device = x.device();
-                let xs = crate::host::to_host(x)?;
                 let mut y = vec![0.0f32; n * w.out];
-                deco_kernels::dense::matmul(&xs, n, &w.data, w.inner, w.out, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
+                crate::host::with_host(&x, |xs| deco_kernels::dense::matmul(xs, n, &w.data, w.inner, w.out, &mut y))?
+                    .map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, w.out]), &device))
             }
             LinearWeight::Packed(m) => {
                 let [n, _] = x.dims();
                 let device = x.device();
-                let xs = crate::host::to_host(x)?;
                 let mut y = vec![0.0f32; n * m.rows()];
-                m.matmul(&xs, n, &mut y).map_err(|e| Error::InvalidInput(e.to_string()))?;
+                crate::host::with_host(&x, |xs| m.matmul(xs, n, &mut y))?.map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
             }
             #[cfg(any(feature = "wgpu", feature = "cuda"))]

@@ -29,7 +29,7 @@ use burn::tensor::{Device, Tensor};
 use deco_formats::config::ModelConfig;
 use deco_model::calibrate::{Calibrator, LayerWeights, Linear, Site};
 use deco_model::decoder::DecoderLayer;
-use deco_model::host::to_host;
+use deco_model::host::{to_host, with_host};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -157,7 +157,7 @@ pub fn calibration_windows(tokens: &[u32], nsamples: usize, seqlen: usize, seed:
 pub fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
     if x.device() == Device::flex() {
         let [n, cols] = x.dims();
-        let g = deco_kernels::dense::gram(&to_host(x.clone())?, n, cols).map_err(|e| Error::Calibration(format!("Gram matrix: {e}")))?;
+        let g = with_host(x, |xs| deco_kernels::dense::gram(xs, n, cols))?.map_err(|e| Error::Calibration(format!("Gram matrix: {e}")))?;
         return Ok(g.iter().map(|&v| v as f64).collect());
     }
     let g = x.clone().transpose().matmul(x.clone());
