@@ -365,11 +365,7 @@ unsafe fn gemm_avx512(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
                     for s in 0..strips {
                         let (j0, j1) = (nc0 + s * NR, (nc0 + (s + 1) * NR).min(nc1));
                         let strip = &mut wp[s * KC * NR..s * KC * NR + kc * NR];
-                        for (k, dst) in strip.chunks_exact_mut(NR).enumerate() {
-                            let row = (pc + k) * out;
-                            dst[..j1 - j0].copy_from_slice(&w[row + j0..row + j1]);
-                            dst[j1 - j0..].fill(0.0);
-                        }
+                        pack_columns::<NR>(&w[pc * out..(pc + kc) * out], out, j0, j1, strip);
                     }
                     for m0 in (t0..t1).step_by(MR) {
                         let mr = MR.min(t1 - m0);

@@ -125,7 +125,7 @@ fn case() -> impl Strategy<Value = Case> {
     (
         1usize..=3,
         prop::sample::select(vec![1usize, 3, 4]),
-        prop::sample::select(vec![64usize, 1, 3, 7, 8, 17, 33, 63, 65, 128]),
+        prop::sample::select(vec![64usize, 1, 3, 7, 8, 16, 17, 33, 48, 63, 65, 80, 128, 192]),
         1usize..=16,
         prop::collection::vec(prop_oneof![1usize..=300, 1usize..=20, 200usize..=700], 1..=6),
         prop::sample::select(vec![0.1f32, 1.0, 3.0]),
