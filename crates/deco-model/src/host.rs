@@ -109,4 +109,28 @@ mod tests {
         assert_eq!(f, vec![1.0, 4.0, 7.0, 2.0, 5.0, 8.0, 3.0, 6.0, 9.0]);
         assert_eq!(fuse_transposed(&[(&a, 2)], 3), transpose(&a, 2, 3));
     }
+
+    /// `with_host` sees the row-major values `to_host` copies out, for a tensor read in place
+    /// (contiguous, shared with a clone, a row range at an offset) and for views it must copy
+    /// (a transpose, a column slice); and the in-place read really borrows the storage.
+    #[test]
+    fn with_host_sees_what_to_host_copies() {
+        use burn::tensor::{Device, TensorData};
+        let device = Device::flex();
+        let values: Vec<f32> = (0..6 * 5).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let t = Tensor::<2>::from_data(TensorData::new(values.clone(), [6, 5]), &device);
+        let _shared = t.clone();
+        let views = [t.clone(), t.clone().slice([2..5, 0..5]), t.clone().transpose(), t.clone().slice([0..6, 1..3]), t.clone() * 2.0];
+        for (i, v) in views.into_iter().enumerate() {
+            let want = to_host(v.clone()).expect("to_host");
+            let got = with_host(&v, <[f32]>::to_vec).expect("with_host");
+            assert_eq!(got, want, "view {i}");
+        }
+        // Two reads alive at once: copies would be two buffers.
+        let same = with_host(&t, |x| with_host(&t, |y| x.as_ptr() == y.as_ptr())).expect("with_host").expect("with_host");
+        assert!(same, "a contiguous CPU tensor is read in place, not copied");
+        let tr = t.clone().transpose();
+        let copied = with_host(&tr, |x| with_host(&tr, |y| x.as_ptr() != y.as_ptr())).expect("with_host").expect("with_host");
+        assert!(copied, "a transposed view is copied");
+    }
 }
