@@ -241,20 +241,13 @@ fn check_q8(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64, isa: I
     let mut y1 = vec![f32::NAN; rows];
     m.matmul_q8_with(&x[t * cols..(t + 1) * cols], 1, &mut y1, isa).expect("matmul_q8");
     prop_assert_eq!(&y1[..], &y[t * rows..(t + 1) * rows], "token {} alone differs", t);
-    // The AVX2 integer kernels of Q4_0 / Q4_1 / Q8_0 compute the same integer block sums and
-    // the same float operations as the VNNI ones: the same bits.
-    if isa == Isa::Avx2 && q8_isas().contains(&Isa::Avx512) && matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0) {
+    // The AVX2 integer kernels compute the same integer block sums and the same float
+    // operations as the VNNI ones: the same bits, for every block type.
+    if isa == Isa::Avx2 && q8_isas().contains(&Isa::Avx512) {
         let mut yv = vec![f32::NAN; n * rows];
         m.matmul_q8_with(&x, n, &mut yv, Isa::Avx512).expect("matmul_q8 vnni");
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         prop_assert_eq!(bits(&y), bits(&yv), "{:?}: AVX2 and VNNI kernels differ", ty);
-    }
-    if isa == Isa::Avx2 && !matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0) {
-        // No AVX2 integer kernel for this type: the f32-activation path.
-        let mut yf = vec![f32::NAN; n * rows];
-        m.matmul_with(&x, n, &mut yf, Isa::Avx2).expect("matmul f32");
-        prop_assert_eq!(&y, &yf);
-        return Ok(());
     }
     for t in 0..n {
         for r in 0..rows {
@@ -387,17 +380,17 @@ fn extreme_codes_match_reference() {
                 assert!((*g as f64 - e).abs() <= 1e-4 * (1.0 + e.abs()), "{ty:?} {isa:?}: {g} vs {e}");
             }
         }
-        if q8_available() {
+        for isa in q8_isas() {
             let deq = reference(&|t, c| qa.codes[t * cols + c] as f64 * qa.scales[t * (cols / 32) + c / 32] as f64);
             let mut y = vec![f32::NAN; n * rows];
-            m.matmul_q8(&x, n, &mut y).expect("matmul_q8");
+            m.matmul_q8_with(&x, n, &mut y, isa).expect("matmul_q8");
             for (g, e) in y.iter().zip(&deq) {
-                assert!((*g as f64 - e).abs() <= 1e-4 * (1.0 + e.abs()), "{ty:?} q8: {g} vs {e}");
+                assert!((*g as f64 - e).abs() <= 1e-4 * (1.0 + e.abs()), "{ty:?} q8 {isa:?}: {g} vs {e}");
             }
             // A non-finite activation reaches the outputs of its token, as in the f32 path.
             let mut xn = x.clone();
             xn[cols + 3] = f32::NAN;
-            m.matmul_q8(&xn, n, &mut y).expect("matmul_q8");
+            m.matmul_q8_with(&xn, n, &mut y, isa).expect("matmul_q8");
             assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
             assert!(y[..rows].iter().chain(&y[2 * rows..]).all(|v| v.is_finite()));
         }

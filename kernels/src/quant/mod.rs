@@ -32,10 +32,12 @@
 //! - [`PackedMatrix::matmul_q8`] (opt-in, [`set_activation_precision`]): the activations are
 //!   quantized to 8 bits per block of 32 ([`QuantizedActivations`], llama.cpp's `block_q8_0`
 //!   idea) and multiplied with integer dot products (AVX-512 VNNI `vpdpbusd`, or AVX2
-//!   `vpmaddubsw` for Q4_0 / Q4_1 / Q8_0), as llama.cpp does. Q4_0 / Q4_1 / Q8_0 go 8 rows at a time, one row per 32-bit lane (codes transposed
-//!   in registers, the next rows prefetched), which makes single-token decode bound by memory
-//!   bandwidth; about 2× faster than the f32 path at one token, but each activation carries a
-//!   rounding error of up to `max|x_block| / 254`, so logits move by ~1e-2 instead of ~1e-6;
+//!   `vpmaddubsw` + `vpmaddwd`, with the same bits), as llama.cpp does. Q4_0 / Q4_1 / Q5_0 /
+//!   Q8_0 go 8 rows at a time, one row per 32-bit lane (codes transposed in registers, the next
+//!   rows prefetched), which makes single-token decode bound by memory bandwidth; Q4_K and Q6_K
+//!   in register tiles of rows × tokens. About 2× faster than the f32 path at one token, but
+//!   each activation carries a rounding error of up to `max|x_block| / 254`, so logits move by
+//!   ~1e-2 instead of ~1e-6;
 //!   the golden-logit bound of deco's tests (2e-3) is for the default f32 path.
 //!
 //! Both are multithreaded over output rows with rayon and run in the *current* rayon pool (the
@@ -267,10 +269,9 @@ pub fn activation_precision() -> ActivationPrecision {
     if ACTIVATION_Q8.load(std::sync::atomic::Ordering::Relaxed) { ActivationPrecision::Q8 } else { ActivationPrecision::F32 }
 }
 
-/// Whether this CPU can run [`PackedMatrix::matmul_q8`]: AVX-512 F/BW/VL/VNNI (integer kernels
-/// for every block type) or AVX2 + FMA + F16C (integer kernels for Q4_0, Q4_1 and Q8_0; the
-/// other types keep f32 activations there). `DECO_KERNELS=scalar` turns it off,
-/// `DECO_KERNELS=avx2` selects the AVX2 kernels.
+/// Whether this CPU can run [`PackedMatrix::matmul_q8`]: AVX-512 F/BW/VL/VNNI or AVX2 + FMA +
+/// F16C (integer kernels for every block type on both, with the same bits).
+/// `DECO_KERNELS=scalar` turns it off, `DECO_KERNELS=avx2` selects the AVX2 kernels.
 pub fn q8_available() -> bool {
     q8_isa().is_some()
 }
@@ -581,11 +582,11 @@ impl PackedMatrix {
     }
 
     /// [`PackedMatrix::matmul_q8`] on an explicit instruction set:
-    /// - [`Isa::Avx512`] (needs AVX-512 VNNI): `vpdpbusd`; Q4_0, Q4_1 and Q8_0 8 rows at a time
-    ///   (one row per 32-bit lane), the other types in tiles of 4 rows × 4 tokens;
-    /// - [`Isa::Avx2`]: `vpmaddubsw` for Q4_0, Q4_1 and Q8_0, with the same bits as the VNNI
-    ///   kernel; Q4_K, Q5_0 and Q6_K have no AVX2 integer kernel and run the f32-activation
-    ///   [`PackedMatrix::matmul_with`] instead.
+    /// - [`Isa::Avx512`] (needs AVX-512 VNNI): `vpdpbusd`; Q4_0, Q4_1, Q5_0 and Q8_0 8 rows at
+    ///   a time (one row per 32-bit lane), Q4_K and Q6_K in tiles of 4 rows × 4 tokens;
+    /// - [`Isa::Avx2`]: `vpmaddubsw` + `vpmaddwd` (ggml's AVX2 `mul_sum_us8_pairs_float`), the
+    ///   same row groups, Q4_K and Q6_K in tiles of 4 rows × 2 tokens; the same integer block
+    ///   sums and float operations as the VNNI kernels, so the same bits.
     ///
     /// # Errors
     /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] for
@@ -613,11 +614,6 @@ impl PackedMatrix {
         }
         if self.cols == 0 {
             y.fill(0.0);
-            return Ok(());
-        }
-        let rows8 = matches!(self.ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0);
-        if isa == Isa::Avx2 && !rows8 {
-            self.matmul_fused(x, n, y, Isa::Avx2);
             return Ok(());
         }
         let qa = QuantizedActivations::quantize(x, n, self.cols)?;
@@ -790,15 +786,15 @@ impl PackedMatrix {
         });
     }
 
-    /// The integer paths of [`PackedMatrix::matmul_q8_with`]: Q4_0, Q4_1 and Q8_0 through
+    /// The integer paths of [`PackedMatrix::matmul_q8_with`]: Q4_0, Q4_1, Q5_0 and Q8_0 through
     /// `x86_512::q8_rows8` (`vnni`) or `x86::q8_rows8` (8 rows per vector, one lane per row),
-    /// the other types through `x86_512::q8_tile` (`vnni` only).
+    /// Q4_K and Q6_K through `x86_512::q8_tile` (`vnni`) or `x86::q8_tile_k`.
     #[cfg(target_arch = "x86_64")]
     fn matmul_tiled_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32], vnni: bool) {
         let (cols, ty) = (self.cols, self.ty);
         let nb = cols / BLOCK;
         let rb = self.row_bytes();
-        if matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0) {
+        if matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0 | BlockType::Q5_0) {
             // Integer products over 8 rows at once are ~4× cheaper than the f32 tile.
             self.tiled::<8, _>(n, cols * n / 4, y, |t, wp, rk, tk| {
                 let (xq, xd, xs, xi) = (
@@ -832,6 +828,41 @@ impl PackedMatrix {
         // Integer products are ~4× cheaper than f32 ones: larger chunks per task.
         self.tiled::<TILE_R, _>(n, cols * n / 4, y, |t, wp, rk, tk| {
             let (xq, xd, xs) = (qa.codes[t * cols..].as_ptr(), qa.scales[t * nb..].as_ptr(), qa.sums[t * nb..].as_ptr());
+            if !vnni {
+                // AVX2 (Q4_K, Q6_K): 16 registers hold a tile of 4 rows × 2 tokens at most, so
+                // the tokens go two at a time (the per-(row, token) operations do not depend
+                // on the tile shape).
+                let mut out = [[0.0f32; TILE_T]; TILE_R];
+                let mut j = 0;
+                while j < tk {
+                    let (xq, xd, xs) = (qa.codes[(t + j) * cols..].as_ptr(), qa.scales[(t + j) * nb..].as_ptr(), qa.sums[(t + j) * nb..].as_ptr());
+                    let two = tk - j >= 2;
+                    // SAFETY: AVX2, FMA and F16C were detected (`matmul_q8_with` checked
+                    // `q8_isa()`); `tiled` passes `rk` rows that exist and tokens t .. t + tk
+                    // that exist in `qa`; the type is Q4_K or Q6_K (the others went to
+                    // `q8_rows8` above).
+                    unsafe {
+                        match (rk == TILE_R, two) {
+                            (true, true) => {
+                                let o = x86::q8_tile_k::<TILE_R, 2>(ty, wp, rb, nb, xq, xd, xs, cols);
+                                for (dst, src) in out.iter_mut().zip(o) {
+                                    dst[j..j + 2].copy_from_slice(&src);
+                                }
+                            }
+                            (true, false) => {
+                                let o = x86::q8_tile_k::<TILE_R, 1>(ty, wp, rb, nb, xq, xd, xs, cols);
+                                for (dst, src) in out.iter_mut().zip(o) {
+                                    dst[j] = src[0];
+                                }
+                            }
+                            (false, true) => out[0][j..j + 2].copy_from_slice(&x86::q8_tile_k::<1, 2>(ty, wp, rb, nb, xq, xd, xs, cols)[0]),
+                            (false, false) => out[0][j] = x86::q8_tile_k::<1, 1>(ty, wp, rb, nb, xq, xd, xs, cols)[0][0],
+                        }
+                    }
+                    j += if two { 2 } else { 1 };
+                }
+                return out;
+            }
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (the caller checked
             // `q8_available()`); `tiled` passes rows that exist (`nb` (sub-)blocks each) and
             // tokens t .. t + tk that exist in the quantized activations.

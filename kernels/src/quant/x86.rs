@@ -250,7 +250,8 @@ pub(super) unsafe fn dot_multi<const T: usize>(
     stride: usize,
     xsum: *const f32,
 ) -> [f32; T] {
-    debug_assert!(row.len() >= nb * ty.block_bytes());
+    // `nb` counts 32-weight (sub-)blocks; a Q4_K / Q6_K block holds eight.
+    debug_assert!(row.len() * ty.block_len() >= nb * BLOCK * ty.block_bytes());
     let rp = row.as_ptr();
     // SAFETY: forwarded from the caller.
     unsafe {
@@ -414,7 +415,7 @@ pub(super) unsafe fn transpose8x1(p: *const u8, row_bytes: usize) -> __m256i {
 /// without AVX-512 VNNI: `vpmaddubsw` + `vpmaddwd` instead of `vpdpbusd`, as ggml's AVX2
 /// `mul_sum_us8_pairs_float`. Q4 codes (0..15) times activation codes (|qx| ≤ 127) summed over
 /// the 8 groups stay within i16 (8 · 2 · 15 · 127 = 30,480), so they are added in 16 bits
-/// before one widening; Q8_0 uses ggml's sign trick (`|q|` times `sign(q)·qx`, each pair
+/// before one widening; Q5_0 codes (0..31) in two halves of 4 groups (31,496 each); Q8_0 uses ggml's sign trick (`|q|` times `sign(q)·qx`, each pair
 /// ≤ 32,512) and widens per group. The integer block sums are the exact values the VNNI kernel
 /// computes and the float operations after them are the same, so both kernels give the same
 /// bits.
@@ -439,9 +440,25 @@ pub(super) unsafe fn q8_rows8<const T: usize>(
         match ty {
             BlockType::Q4_0 => q8_rows8_t::<0, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
             BlockType::Q4_1 => q8_rows8_t::<1, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
+            BlockType::Q5_0 => q8_rows8_t::<4, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
             _ => q8_rows8_t::<2, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
         }
     }
+}
+
+/// The 5th bits of weight group `g` (weights `4g .. 4g + 4`) of 8 Q5_0 rows, one row per 32-bit
+/// lane: byte `i` of lane `r` is `0x10` if bit `4g + i` of lane `r` of `qh` (row `r`'s `qh`
+/// field) is set, else 0. Byte `g / 2` of each lane is broadcast to its 4 bytes, then each
+/// byte tests its own bit (ggml's `bytes_from_bits_32` idea, per lane).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q5_high_bits(qh: __m256i, g: usize) -> __m256i {
+    let byte = _mm256_set1_epi8((g / 2) as i8);
+    let lanes = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    let spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lanes, byte));
+    let s = 4 * (g % 2) as u32;
+    let bit = _mm256_set1_epi32(i32::from_le_bytes([(1u32 << s) as u8, (2u32 << s) as u8, (4u32 << s) as u8, (8u32 << s) as u8]));
+    _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10))
 }
 
 /// The 8 f16 in the low (`HI = false`) or high halves of the 32-bit lanes of `v`, as f32.
@@ -474,6 +491,7 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
     let bb = match TY {
         0 => BlockType::Q4_0,
         1 => BlockType::Q4_1,
+        4 => BlockType::Q5_0,
         _ => BlockType::Q8_0,
     }
     .block_bytes();
@@ -496,6 +514,14 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
                 let hi = transpose8x4(blk.add(18), row_bytes);
                 w[..4].copy_from_slice(&lo);
                 w[4..].copy_from_slice(&hi);
+            } else if TY == 4 {
+                // Q5_0: `d`, then `qh` (the 5th bits), then the nibbles as Q4_0.
+                let qh = transpose8x1(blk.add(2), row_bytes);
+                let v = transpose8x4(blk.add(6), row_bytes);
+                for c in 0..4 {
+                    w[c] = _mm256_or_si256(_mm256_and_si256(v[c], m4), q5_high_bits(qh, c));
+                    w[4 + c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4), q5_high_bits(qh, 4 + c));
+                }
             } else {
                 let v = transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
                 for c in 0..4 {
@@ -516,6 +542,13 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
                     let s45 = _mm256_add_epi32(pair(4), pair(5));
                     let s67 = _mm256_add_epi32(pair(6), pair(7));
                     _mm256_add_epi32(_mm256_add_epi32(s01, s23), _mm256_add_epi32(s45, s67))
+                } else if TY == 4 {
+                    // Q5_0 codes reach 31: four groups fit 16 bits (4 · 2 · 31 · 127 = 31,496),
+                    // eight would not.
+                    let p = |g: usize| _mm256_maddubs_epi16(w[g], bcast(g));
+                    let lo = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
+                    let hi = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
+                    _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
                 } else {
                     let p = |g: usize| _mm256_maddubs_epi16(w[g], bcast(g));
                     let s01 = _mm256_add_epi16(p(0), p(1));
@@ -526,8 +559,9 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
                     _mm256_madd_epi16(s16, ones)
                 };
                 let i = k * nb + b;
-                if TY == 0 {
-                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * *xi.add(i)));
+                if TY == 0 || TY == 4 {
+                    let off = if TY == 0 { 8 } else { 16 };
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(off * *xi.add(i)));
                 }
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xd.add(i)));
                 acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[k]);
@@ -544,6 +578,147 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]) };
         for r in 0..8 {
             out[r][k] = lanes[r];
+        }
+    }
+    out
+}
+/// Sub-block `k` (0..8) of the Q6_K block at `blk`: its 32 signed codes `q − 32` (one per byte,
+/// in weight order) and the scales `d·sc` of its weights 0..16 and 16..32 (see
+/// [`super::q6k_code`] for the bit layout).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f32) {
+    // SAFETY (all loads): the caller guarantees a whole 210-byte block at `blk` and k < 8.
+    unsafe {
+        let (h, g) = (k / 4, k % 4);
+        let ql = _mm256_loadu_si256(blk.add(64 * h + 32 * (g % 2)) as *const __m256i);
+        let ql = if g < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+        let lo = _mm256_and_si256(ql, _mm256_set1_epi8(0x0F));
+        let qh = _mm256_loadu_si256(blk.add(Q6K_QH + 32 * h) as *const __m256i);
+        // Bits 2g, 2g + 1 of every byte moved to bits 4, 5 (16-bit shifts, then a byte mask).
+        let hi = match g {
+            0 => _mm256_slli_epi16(qh, 4),
+            1 => _mm256_slli_epi16(qh, 2),
+            2 => qh,
+            _ => _mm256_srli_epi16(qh, 2),
+        };
+        let hi = _mm256_and_si256(hi, _mm256_set1_epi8(0x30));
+        let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+        let d = f16_at(blk.add(Q6K_D));
+        let s = blk.add(Q6K_SCALES + 8 * h + 2 * g) as *const i8;
+        (q, d * f32::from(*s), d * f32::from(*s.add(1)))
+    }
+}
+
+/// Sub-block `k` (0..8) of the Q4_K block at `blk`: its 32 unsigned 4-bit codes (one per byte,
+/// in weight order), its scale `d·sc_k` and its negated minimum `−dmin·m_k`, so that weight
+/// `i` is `d·sc_k · q_i − dmin·m_k`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f32) {
+    // SAFETY (all loads): the caller guarantees a whole 144-byte block at `blk` and k < 8.
+    unsafe {
+        let (sc, m) = q4k_scale_min(k, std::slice::from_raw_parts(blk.add(4), 12));
+        let v = _mm256_loadu_si256(blk.add(16 + 32 * (k / 2)) as *const __m256i);
+        let v = if k.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
+        (_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), f16_at(blk) * sc as f32, -(f16_at(blk.add(2)) * m as f32))
+    }
+}
+
+/// The AVX2 twin of `x86_512::q8_tile` for the k-quants (Q4_K, Q6_K): `R` packed rows times
+/// `T` tokens of 8-bit activations, per 32-weight sub-block, with `vpmaddubsw` + `vpmaddwd`
+/// where the VNNI kernel has `vpdpbusd`. The two leave the integer sums in the same lanes (lane
+/// `j` sums weights `4j .. 4j + 4`), the sums are exact (Q4_K: unsigned codes ≤ 15 times
+/// `|qx| ≤ 127`, a pair ≤ 3,810; Q6_K: `|q − 32| ≤ 32` times `sign(q − 32)·qx`, a pair ≤ 8,128:
+/// no 16-bit saturation), and the float operations after them are the same, so this kernel
+/// gives the VNNI kernel's bits:
+///
+/// - Q4_K: `Σ_k (d·sc_k·dx)·Σ q·qx + (−dmin·m_k)·(dx·Σ qx)` per sub-block `k`;
+/// - Q6_K: `Σ_k` of integer lanes 0..4 (weights 0..16) scaled by `d·sc_lo·dx` and lanes 4..8 by
+///   `d·sc_hi·dx`.
+///
+/// Sixteen ymm registers (no AVX-512 upper bank): callers keep `R · T ≤ 8`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `ty` is Q4_K or Q6_K; the `R` rows (spaced `row_bytes`) hold `nb / 8`
+/// blocks each (`nb` 32-weight sub-blocks); `xq` holds `T` rows of `nb · 32` codes spaced
+/// `stride`, `xd` and `xs` `T · nb` per-block scales and scaled sums spaced `nb`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q8_tile_k<const R: usize, const T: usize>(
+    ty: BlockType,
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    stride: usize,
+) -> [[f32; T]; R] {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match ty {
+            BlockType::Q4_K => q8_tile_k_t::<3, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            _ => q8_tile_k_t::<5, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+        }
+    }
+}
+
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_tile_k_t<const TY: u8, const R: usize, const T: usize>(
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    stride: usize,
+) -> [[f32; T]; R] {
+    let bb = if TY == 3 { BlockType::Q4_K } else { BlockType::Q6_K }.block_bytes();
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut corr = [[0.0f32; T]; R];
+    for b in 0..nb {
+        // SAFETY: b < nb, so every row's sub-block and each token's 32 codes / block scalars
+        // are in bounds.
+        unsafe {
+            let mut wq = [_mm256_setzero_si256(); R];
+            let mut dw = [0.0f32; R];
+            // Q4_K: `−dmin·m`; Q6_K: the scale of weights 16..32.
+            let mut dw2 = [0.0f32; R];
+            for i in 0..R {
+                let blk = rows.add(i * row_bytes + (b / 8) * bb);
+                (wq[i], dw[i], dw2[i]) = if TY == 3 { q4k_sub_codes(blk, b % 8) } else { q6k_sub_codes(blk, b % 8) };
+            }
+            for k in 0..T {
+                let xv = _mm256_loadu_si256(xq.add(k * stride + b * BLOCK) as *const __m256i);
+                let dx = *xd.add(k * nb + b);
+                let sx = *xs.add(k * nb + b);
+                for i in 0..R {
+                    let s = if TY == 3 {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(wq[i], xv), ones)
+                    } else {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i])), ones)
+                    };
+                    let scale = if TY == 5 {
+                        _mm256_set_m128(_mm_set1_ps(dw2[i] * dx), _mm_set1_ps(dw[i] * dx))
+                    } else {
+                        _mm256_set1_ps(dw[i] * dx)
+                    };
+                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i][k]);
+                    if TY == 3 {
+                        corr[i][k] += dw2[i] * sx;
+                    }
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for i in 0..R {
+        for k in 0..T {
+            out[i][k] = hsum(acc[i][k]) + corr[i][k];
         }
     }
     out

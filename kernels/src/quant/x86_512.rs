@@ -15,6 +15,7 @@
 
 use std::arch::x86_64::*;
 
+use super::x86::{q4k_sub_codes, q6k_sub_codes};
 use super::{BLOCK, BlockType};
 
 /// The f16 at `p` (unaligned) as f32, with the F16C conversion.
@@ -90,34 +91,6 @@ const fn block_type<const TY: u8>() -> BlockType {
     }
 }
 
-/// Sub-block `k` (0..8) of the Q6_K block at `blk`: its 32 signed codes `q − 32` (one per byte,
-/// in weight order) and the scales `d·sc` of its weights 0..16 and 16..32 (see
-/// [`super::q6k_code`] for the bit layout).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn q6k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f32) {
-    // SAFETY (all loads): the caller guarantees a whole 210-byte block at `blk` and k < 8.
-    unsafe {
-        let (h, g) = (k / 4, k % 4);
-        let ql = _mm256_loadu_si256(blk.add(64 * h + 32 * (g % 2)) as *const __m256i);
-        let ql = if g < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
-        let lo = _mm256_and_si256(ql, _mm256_set1_epi8(0x0F));
-        let qh = _mm256_loadu_si256(blk.add(super::Q6K_QH + 32 * h) as *const __m256i);
-        // Bits 2g, 2g + 1 of every byte moved to bits 4, 5 (16-bit shifts, then a byte mask).
-        let hi = match g {
-            0 => _mm256_slli_epi16(qh, 4),
-            1 => _mm256_slli_epi16(qh, 2),
-            2 => qh,
-            _ => _mm256_srli_epi16(qh, 2),
-        };
-        let hi = _mm256_and_si256(hi, _mm256_set1_epi8(0x30));
-        let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-        let d = f16_at(blk.add(super::Q6K_D));
-        let s = blk.add(super::Q6K_SCALES + 8 * h + 2 * g) as *const i8;
-        (q, d * f32::from(*s), d * f32::from(*s.add(1)))
-    }
-}
-
 /// The 32 dequantized weights of sub-block `k` (0..8) of the Q6_K block at `blk`:
 /// `d·sc · (q − 32)` (weights 0..16 and 16..32, each half with its own scale).
 #[inline]
@@ -128,21 +101,6 @@ unsafe fn block_w_q6k(blk: *const u8, k: usize) -> (__m512, __m512) {
     let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
     let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
     (_mm512_mul_ps(q0, _mm512_set1_ps(s0)), _mm512_mul_ps(q1, _mm512_set1_ps(s1)))
-}
-
-/// Sub-block `k` (0..8) of the Q4_K block at `blk`: its 32 unsigned 4-bit codes (one per byte,
-/// in weight order), its scale `d·sc_k` and its negated minimum `−dmin·m_k`, so that weight
-/// `i` is `d·sc_k · q_i − dmin·m_k`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn q4k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f32) {
-    // SAFETY (all loads): the caller guarantees a whole 144-byte block at `blk` and k < 8.
-    unsafe {
-        let (sc, m) = super::q4k_scale_min(k, std::slice::from_raw_parts(blk.add(4), 12));
-        let v = _mm256_loadu_si256(blk.add(16 + 32 * (k / 2)) as *const __m256i);
-        let v = if k.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
-        (_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), f16_at(blk) * sc as f32, -(f16_at(blk.add(2)) * m as f32))
-    }
 }
 
 /// The 32 dequantized weights of sub-block `k` (0..8) of the Q4_K block at `blk`:
@@ -399,7 +357,7 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
     }
 }
 
-/// Dot products of 8 packed Q4_0 / Q4_1 / Q8_0 rows with `T` tokens of 8-bit activations, one
+/// Dot products of 8 packed Q4_0 / Q4_1 / Q5_0 / Q8_0 rows with `T` tokens of 8-bit activations, one
 /// row per 32-bit lane (the idea of llama.cpp's repacked `Q4_0_8x8` GEMV, done on the original
 /// block layout with an 8 × 4 transpose instead of a repacked copy): per block, the codes of
 /// the 8 rows are transposed so that each `vpdpbusd` multiplies 4 consecutive codes of every
@@ -408,6 +366,8 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
 ///
 /// - Q4_1: `acc += (d·dx)·Σ q·qx`, then `acc += m·(dx·Σ qx)`;
 /// - Q4_0: `acc += (d·dx)·(Σ q·qx − 8·Σ qx)`;
+/// - Q5_0: `acc += (d·dx)·(Σ q·qx − 16·Σ qx)`, the 5-bit codes `q` built from the nibbles and
+///   the transposed `qh` words (`x86::q5_high_bits`);
 /// - Q8_0: `acc += (d·dx)·(Σ (q + 128)·qx − 128·Σ qx)` (`q + 128` is the unsigned byte `q ^ 0x80`).
 ///
 /// The integer sums are exact, so the result is `Σ_b` of the same two roundings per block for
@@ -418,7 +378,7 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
 /// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; 8 rows (spaced `row_bytes`, possibly 0) of `nb`
 /// blocks of `ty` at `rows`; `xq` holds `T` rows of `nb · 32` codes spaced `stride`; `xd`, `xs`,
 /// `xi` hold `T · nb` per-block scales, scaled sums and integer sums spaced `nb`; `ty` is Q4_0,
-/// Q4_1 or Q8_0.
+/// Q4_1, Q5_0 or Q8_0.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn q8_rows8<const T: usize>(
@@ -437,6 +397,7 @@ pub(super) unsafe fn q8_rows8<const T: usize>(
         match ty {
             BlockType::Q4_0 => q8_rows8_t::<0, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
             BlockType::Q4_1 => q8_rows8_t::<1, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
+            BlockType::Q5_0 => q8_rows8_t::<4, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
             _ => q8_rows8_t::<2, T>(rows, row_bytes, nb, xq, xd, xs, xi, stride),
         }
     }
@@ -482,6 +443,14 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
                     w[c] = _mm256_xor_si256(lo[c], sign);
                     w[4 + c] = _mm256_xor_si256(hi[c], sign);
                 }
+            } else if TY == 4 {
+                // Q5_0: `d`, then `qh` (the 5th bits), then the nibbles as Q4_0.
+                let qh = super::x86::transpose8x1(blk.add(2), row_bytes);
+                let v = super::x86::transpose8x4(blk.add(6), row_bytes);
+                for c in 0..4 {
+                    w[c] = _mm256_or_si256(_mm256_and_si256(v[c], m4), super::x86::q5_high_bits(qh, c));
+                    w[4 + c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4), super::x86::q5_high_bits(qh, 4 + c));
+                }
             } else {
                 // Byte j of a Q4 block holds weight j (low nibble) and j + 16 (high nibble).
                 let v = super::x86::transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
@@ -506,7 +475,11 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
                 let mut s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
                 let i = k * nb + b;
                 if TY != 1 {
-                    let off = if TY == 0 { 8 } else { 128 };
+                    let off = match TY {
+                        0 => 8,
+                        4 => 16,
+                        _ => 128,
+                    };
                     s = _mm256_sub_epi32(s, _mm256_set1_epi32(off * *xi.add(i)));
                 }
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(*xd.add(i)));
