@@ -116,6 +116,13 @@ def cmd_bench_build(args: argparse.Namespace) -> None:
              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_COMMON=ON",
              "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_SERVER=OFF"]
+    if native == "ON" and os.environ.get("DECO_LLAMA_NO_AMX") == "1":
+        # ggml's AMX matmul (compiled in by -march=native on CPUs with AMX) dies with SIGSEGV in
+        # ggml_backend_amx_mul_mat on some VMs (seen on a 2-core Sapphire Rapids guest,
+        # 2026-12-06); explicit -mno-amx-* override -march=native's AMX in GCC. Say so when
+        # quoting figures from such a build.
+        amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        flags += [f"-DCMAKE_C_FLAGS={amx}", f"-DCMAKE_CXX_FLAGS={amx}"]
     # Written after a complete build only, with the flags it was configured with.
     stamp = out / "llama-bench.built"
     if binary.is_file() and stamp.is_file() and stamp.read_text() == "\n".join(flags) + "\n":
