@@ -415,8 +415,8 @@ pub(super) unsafe fn transpose8x1(p: *const u8, row_bytes: usize) -> __m256i {
 /// without AVX-512 VNNI: `vpmaddubsw` + `vpmaddwd` instead of `vpdpbusd`, as ggml's AVX2
 /// `mul_sum_us8_pairs_float`. Q4 codes (0..15) times activation codes (|qx| ≤ 127) summed over
 /// the 8 groups stay within i16 (8 · 2 · 15 · 127 = 30,480), so they are added in 16 bits
-/// before one widening; Q5_0 codes (0..31) in two halves of 4 groups (31,496 each); Q8_0 uses ggml's sign trick (`|q|` times `sign(q)·qx`, each pair
-/// ≤ 32,512) and widens per group. The integer block sums are the exact values the VNNI kernel
+/// before one widening; Q5_0 codes (0..31) in two halves of 4 groups (31,496 each); Q8_0 uses
+/// ggml's sign trick (`|q|` times `sign(q)·qx`, each pair ≤ 32,512) and widens per group. The integer block sums are the exact values the VNNI kernel
 /// computes and the float operations after them are the same, so both kernels give the same
 /// bits.
 ///
@@ -582,6 +582,7 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
     }
     out
 }
+
 /// Sub-block `k` (0..8) of the Q6_K block at `blk`: its 32 signed codes `q − 32` (one per byte,
 /// in weight order) and the scales `d·sc` of its weights 0..16 and 16..32 (see
 /// [`super::q6k_code`] for the bit layout).
