@@ -48,6 +48,65 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
+/// The body of the 8-bit-activation k-quant tile (`R` rows of Q4_K (`TY` 3) or Q6_K (5) × `T`
+/// tokens), written once for `x86_512::q8_tile` (VNNI) and `x86::q8_tile_k` (AVX2). They differ
+/// only in `$dot(w, x)`: the 8 i32 lanes of 4-byte sums of unsigned `w` times signed `x`
+/// (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`), exact in both, so both kernels give the same
+/// bits. Per 32-weight sub-block: Q4_K `(d·sc·dx)·Σ q·qx + (−dmin·m)·(dx·Σ qx)`; Q6_K signed
+/// codes `q − 32` through `|q − 32|` times `sign(q − 32)·qx`, integer lanes 0..4 (weights
+/// 0..16) and 4..8 scaled by their own `d·sc·dx`. The per-block integer sums stay in 8 lanes,
+/// one horizontal sum at the end; for every (row, token) the float operations are the same
+/// whatever `R` and `T` are (batch invariance). Expanded inside an `unsafe` function whose
+/// caller guarantees `R` rows (spaced `row_bytes`) of `nb / 8` blocks and `T` tokens of
+/// quantized activations (`xq` codes spaced `stride`, `xd` / `xs` per-block scales and scaled
+/// sums spaced `nb`).
+#[cfg(target_arch = "x86_64")]
+macro_rules! q8_tile_k_body {
+    ($ty:ident, $r:ident, $t:ident, $rows:ident, $row_bytes:ident, $nb:ident, $xq:ident, $xd:ident, $xs:ident, $stride:ident, $dot:path) => {{
+        let bb = if $ty == 3 { BlockType::Q4_K } else { BlockType::Q6_K }.block_bytes();
+        let mut acc = [[_mm256_setzero_ps(); $t]; $r];
+        let mut corr = [[0.0f32; $t]; $r];
+        for b in 0..$nb {
+            // SAFETY: b < nb, so every row's sub-block and each token's 32 codes / block
+            // scalars are in bounds.
+            unsafe {
+                let mut wq = [_mm256_setzero_si256(); $r];
+                let mut dw = [0.0f32; $r];
+                // Q4_K: `−dmin·m`; Q6_K: the scale of weights 16..32.
+                let mut dw2 = [0.0f32; $r];
+                for i in 0..$r {
+                    let blk = $rows.add(i * $row_bytes + (b / 8) * bb);
+                    (wq[i], dw[i], dw2[i]) = if $ty == 3 { q4k_sub_codes(blk, b % 8) } else { q6k_sub_codes(blk, b % 8) };
+                }
+                for k in 0..$t {
+                    let xv = _mm256_loadu_si256($xq.add(k * $stride + b * BLOCK) as *const __m256i);
+                    let dx = *$xd.add(k * $nb + b);
+                    let sx = *$xs.add(k * $nb + b);
+                    for i in 0..$r {
+                        let s = if $ty == 3 { $dot(wq[i], xv) } else { $dot(_mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i])) };
+                        let scale = if $ty == 5 {
+                            _mm256_set_m128(_mm_set1_ps(dw2[i] * dx), _mm_set1_ps(dw[i] * dx))
+                        } else {
+                            _mm256_set1_ps(dw[i] * dx)
+                        };
+                        acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i][k]);
+                        if $ty == 3 {
+                            corr[i][k] += dw2[i] * sx;
+                        }
+                    }
+                }
+            }
+        }
+        let mut out = [[0.0f32; $t]; $r];
+        for i in 0..$r {
+            for k in 0..$t {
+                out[i][k] = crate::simd::hsum(acc[i][k]) + corr[i][k];
+            }
+        }
+        out
+    }};
+}
+
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;

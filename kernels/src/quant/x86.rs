@@ -452,13 +452,34 @@ pub(super) unsafe fn q8_rows8<const T: usize>(
 /// byte tests its own bit (ggml's `bytes_from_bits_32` idea, per lane).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q5_high_bits(qh: __m256i, g: usize) -> __m256i {
+fn q5_high_bits(qh: __m256i, g: usize) -> __m256i {
     let byte = _mm256_set1_epi8((g / 2) as i8);
     let lanes = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
     let spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lanes, byte));
     let s = 4 * (g % 2) as u32;
     let bit = _mm256_set1_epi32(i32::from_le_bytes([(1u32 << s) as u8, (2u32 << s) as u8, (4u32 << s) as u8, (8u32 << s) as u8]));
     _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10))
+}
+
+/// The unsigned 5-bit codes (0..31, before the `− 16`) of one Q5_0 block of 8 rows (at `blk +
+/// r · row_bytes`), one row per 32-bit lane: vector `g` holds weights `4g .. 4g + 4` (the
+/// layout of `q8_rows8`). A block is `d: f16`, `qh: u32` (bit `j`: the 5th bit of weight `j`),
+/// then the nibbles as Q4_0 (byte `j`: weight `j` low, `j + 16` high).
+///
+/// # Safety
+/// AVX2; a whole 22-byte block at `blk + r · row_bytes` for r in 0..8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q5_0_codes8(blk: *const u8, row_bytes: usize) -> [__m256i; 8] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    // SAFETY: bytes 2..18 and 6..22 of each row's block.
+    let (qh, v) = unsafe { (transpose8x1(blk.add(2), row_bytes), transpose8x4(blk.add(6), row_bytes)) };
+    let mut w = [_mm256_setzero_si256(); 8];
+    for c in 0..4 {
+        w[c] = _mm256_or_si256(_mm256_and_si256(v[c], m4), q5_high_bits(qh, c));
+        w[4 + c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4), q5_high_bits(qh, 4 + c));
+    }
+    w
 }
 
 /// The 8 f16 in the low (`HI = false`) or high halves of the 32-bit lanes of `v`, as f32.
@@ -515,13 +536,7 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
                 w[..4].copy_from_slice(&lo);
                 w[4..].copy_from_slice(&hi);
             } else if TY == 4 {
-                // Q5_0: `d`, then `qh` (the 5th bits), then the nibbles as Q4_0.
-                let qh = transpose8x1(blk.add(2), row_bytes);
-                let v = transpose8x4(blk.add(6), row_bytes);
-                for c in 0..4 {
-                    w[c] = _mm256_or_si256(_mm256_and_si256(v[c], m4), q5_high_bits(qh, c));
-                    w[4 + c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4), q5_high_bits(qh, 4 + c));
-                }
+                w = q5_0_codes8(blk, row_bytes);
             } else {
                 let v = transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
                 for c in 0..4 {
@@ -626,19 +641,11 @@ pub(super) unsafe fn q4k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f
     }
 }
 
-/// The AVX2 twin of `x86_512::q8_tile` for the k-quants (Q4_K, Q6_K): `R` packed rows times
-/// `T` tokens of 8-bit activations, per 32-weight sub-block, with `vpmaddubsw` + `vpmaddwd`
-/// where the VNNI kernel has `vpdpbusd`. The two leave the integer sums in the same lanes (lane
-/// `j` sums weights `4j .. 4j + 4`), the sums are exact (Q4_K: unsigned codes ≤ 15 times
-/// `|qx| ≤ 127`, a pair ≤ 3,810; Q6_K: `|q − 32| ≤ 32` times `sign(q − 32)·qx`, a pair ≤ 8,128:
-/// no 16-bit saturation), and the float operations after them are the same, so this kernel
-/// gives the VNNI kernel's bits:
-///
-/// - Q4_K: `Σ_k (d·sc_k·dx)·Σ q·qx + (−dmin·m_k)·(dx·Σ qx)` per sub-block `k`;
-/// - Q6_K: `Σ_k` of integer lanes 0..4 (weights 0..16) scaled by `d·sc_lo·dx` and lanes 4..8 by
-///   `d·sc_hi·dx`.
-///
-/// Sixteen ymm registers (no AVX-512 upper bank): callers keep `R · T ≤ 8`.
+/// The AVX2 twin of `x86_512::q8_tile` for the k-quants (Q4_K, Q6_K): the same body
+/// (`q8_tile_k_body!`) with `vpmaddubsw` + `vpmaddwd` ([`dot4_avx2`]) where the VNNI kernel
+/// has `vpdpbusd`; both leave the same exact integer sums in the same lanes, so this kernel
+/// gives the VNNI kernel's bits. Sixteen ymm registers (no AVX-512 upper bank): callers keep
+/// `R · T ≤ 8`.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `ty` is Q4_K or Q6_K; the `R` rows (spaced `row_bytes`) hold `nb / 8`
@@ -665,6 +672,15 @@ pub(super) unsafe fn q8_tile_k<const R: usize, const T: usize>(
     }
 }
 
+/// `vpmaddubsw` + `vpmaddwd`: the 8 i32 lanes of 4-byte sums of unsigned `w` times signed `x`.
+/// Exact while no 16-bit pair saturates: Q4_K codes ≤ 15 and `|q − 32|` ≤ 32 of Q6_K, times
+/// `|qx|` ≤ 127, give pairs ≤ 8,128.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot4_avx2(w: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+}
+
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -677,50 +693,5 @@ unsafe fn q8_tile_k_t<const TY: u8, const R: usize, const T: usize>(
     xs: *const f32,
     stride: usize,
 ) -> [[f32; T]; R] {
-    let bb = if TY == 3 { BlockType::Q4_K } else { BlockType::Q6_K }.block_bytes();
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let mut corr = [[0.0f32; T]; R];
-    for b in 0..nb {
-        // SAFETY: b < nb, so every row's sub-block and each token's 32 codes / block scalars
-        // are in bounds.
-        unsafe {
-            let mut wq = [_mm256_setzero_si256(); R];
-            let mut dw = [0.0f32; R];
-            // Q4_K: `−dmin·m`; Q6_K: the scale of weights 16..32.
-            let mut dw2 = [0.0f32; R];
-            for i in 0..R {
-                let blk = rows.add(i * row_bytes + (b / 8) * bb);
-                (wq[i], dw[i], dw2[i]) = if TY == 3 { q4k_sub_codes(blk, b % 8) } else { q6k_sub_codes(blk, b % 8) };
-            }
-            for k in 0..T {
-                let xv = _mm256_loadu_si256(xq.add(k * stride + b * BLOCK) as *const __m256i);
-                let dx = *xd.add(k * nb + b);
-                let sx = *xs.add(k * nb + b);
-                for i in 0..R {
-                    let s = if TY == 3 {
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(wq[i], xv), ones)
-                    } else {
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i])), ones)
-                    };
-                    let scale = if TY == 5 {
-                        _mm256_set_m128(_mm_set1_ps(dw2[i] * dx), _mm_set1_ps(dw[i] * dx))
-                    } else {
-                        _mm256_set1_ps(dw[i] * dx)
-                    };
-                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i][k]);
-                    if TY == 3 {
-                        corr[i][k] += dw2[i] * sx;
-                    }
-                }
-            }
-        }
-    }
-    let mut out = [[0.0f32; T]; R];
-    for i in 0..R {
-        for k in 0..T {
-            out[i][k] = hsum(acc[i][k]) + corr[i][k];
-        }
-    }
-    out
+    q8_tile_k_body!(TY, R, T, rows, row_bytes, nb, xq, xd, xs, stride, dot4_avx2)
 }

@@ -210,29 +210,24 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
     }
 }
 
-/// Dot products of `R` packed rows with `T` tokens whose activations were quantized to 8 bits
-/// per 32-value block ([`super::QuantizedActivations`]): integer products with AVX-512 VNNI
-/// (`vpdpbusd`, unsigned weight codes × signed activation codes, 32 products per instruction),
-/// scaled per block in f32, as llama.cpp's `ggml_vec_dot_q4_1_q8_1` / `q4_0_q8_0` /
-/// `q8_0_q8_0`:
-///
-/// - Q4_1: `Σ_b d_b·dx_b·Σ q·qx + m_b·(dx_b·Σ qx)`;
-/// - Q4_0: `Σ_b d_b·dx_b·Σ |q−8|·(sign(q−8)·qx)` (integer-exact, as Q8_0);
-/// - Q8_0: `Σ_b d_b·dx_b·Σ |w|·(sign(w)·qx)` (the `vpsignb` trick: exact integer products);
-/// - Q4_K: per 32-weight sub-block as Q4_1 with scale `d·sc_k` and minimum `−dmin·m_k`;
-/// - Q5_0: signed codes `q − 16` through the `vpsignb` path, as Q4_0;
-/// - Q6_K: per 32-weight sub-block, signed codes `q − 32` through the `vpsignb` path, the
-///   integer lanes of weights 0..16 and 16..32 scaled by their own `d·sc`.
-///
-/// The per-block integer sums stay in 8 lanes (no horizontal sum per block); for every (row,
-/// token) the float operations are the same whatever `R` and `T` are (batch invariance).
-/// Q4_0 nibbles are turned into signed `q − 8` codes and go through the same exact
-/// `vpsignb` path as Q8_0 (no float offset correction).
+/// `vpdpbusd`: the 8 i32 lanes of 4-byte sums of unsigned `w` times signed `x` (32 products
+/// per instruction).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dot4_vnni(w: __m256i, x: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+}
+
+/// Dot products of `R` packed Q4_K (`TY` 3) or Q6_K (5) rows with `T` tokens whose activations
+/// were quantized to 8 bits per 32-value block ([`super::QuantizedActivations`]), with AVX-512
+/// VNNI, as llama.cpp's `ggml_vec_dot_q4_K_q8_K` / `q6_K_q8_K` per 32-weight sub-block; the
+/// body is `q8_tile_k_body!` (shared with the AVX2 twin `x86::q8_tile_k`). The other block
+/// types go through `q8_rows8`.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; the `R` rows must hold `nb`
-/// blocks each; `xq` must hold `T` rows of `nb · 32` codes spaced `stride`, `xd` and `xs`
-/// `T · nb` per-block scales and scaled sums (`dx · Σ qx`) spaced `nb`.
+/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; the `R` rows must hold
+/// `nb / 8` blocks each; `xq` must hold `T` rows of `nb · 32` codes spaced `stride`, `xd` and
+/// `xs` `T · nb` per-block scales and scaled sums (`dx · Σ qx`) spaced `nb`.
 #[inline]
 #[allow(clippy::needless_range_loop)] // (row, token) indices name the register tile
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -245,93 +240,13 @@ unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
     xs: *const f32,
     stride: usize,
 ) -> [[f32; T]; R] {
-    let bb = block_type::<TY>().block_bytes();
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let mut corr = [[0.0f32; T]; R];
-    let m4 = _mm256_set1_epi8(0x0F);
-    for b in 0..nb {
-        // SAFETY: b < nb, so every row's block and each token's 32 codes / block scalars are
-        // in bounds.
-        unsafe {
-            let mut wq = [_mm256_setzero_si256(); R];
-            let mut dw = [0.0f32; R];
-            let mut cw = [0.0f32; R];
-            // Q6_K: the second scale (weights 16..32, integer lanes 4..8).
-            let mut dw_hi = [0.0f32; R];
-            for i in 0..R {
-                if TY == 5 {
-                    (wq[i], dw[i], dw_hi[i]) = q6k_sub_codes(rows.add(i * row_bytes + (b / 8) * bb), b % 8);
-                    continue;
-                }
-                if TY == 3 {
-                    // Q4_K: sub-block b % 8 of block b / 8, unsigned codes, `d·sc` and `−dmin·m`.
-                    (wq[i], dw[i], cw[i]) = q4k_sub_codes(rows.add(i * row_bytes + (b / 8) * bb), b % 8);
-                    continue;
-                }
-                let blk = rows.add(i * row_bytes + b * bb);
-                dw[i] = f16_at(blk);
-                match TY {
-                    2 => wq[i] = _mm256_loadu_si256(blk.add(2) as *const __m256i),
-                    4 => {
-                        // Q5_0: 5-bit codes (4 low bits + the `qh` bit as a byte mask) − 16,
-                        // signed, through the exact `vpsignb` path.
-                        let qh = (blk.add(2) as *const u32).read_unaligned();
-                        let v = _mm_loadu_si128(blk.add(6) as *const __m128i);
-                        let both = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4);
-                        let both = _mm256_mask_add_epi8(both, qh, both, _mm256_set1_epi8(16));
-                        wq[i] = _mm256_sub_epi8(both, _mm256_set1_epi8(16));
-                    }
-                    _ => {
-                        let off = if TY == 0 { 2 } else { 4 };
-                        let v = _mm_loadu_si128(blk.add(off) as *const __m128i);
-                        // Bytes 0..16: low nibbles (weights 0..16); 16..32: high nibbles.
-                        let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
-                        wq[i] = _mm256_and_si256(both, m4);
-                        if TY == 0 {
-                            wq[i] = _mm256_sub_epi8(wq[i], _mm256_set1_epi8(8));
-                        } else {
-                            cw[i] = f16_at(blk.add(2));
-                        }
-                    }
-                }
-            }
-            for k in 0..T {
-                let xv = _mm256_loadu_si256(xq.add(k * stride + b * BLOCK) as *const __m256i);
-                let dx = *xd.add(k * nb + b);
-                let sx = *xs.add(k * nb + b);
-                for i in 0..R {
-                    let s = if TY == 0 || TY == 2 || TY == 4 || TY == 5 {
-                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i]))
-                    } else {
-                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq[i], xv)
-                    };
-                    // Integer lanes 0..4 hold weights 0..16, lanes 4..8 weights 16..32.
-                    let scale = if TY == 5 {
-                        _mm256_set_m128(_mm_set1_ps(dw_hi[i] * dx), _mm_set1_ps(dw[i] * dx))
-                    } else {
-                        _mm256_set1_ps(dw[i] * dx)
-                    };
-                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i][k]);
-                    if TY == 1 || TY == 3 {
-                        corr[i][k] += cw[i] * sx;
-                    }
-                }
-            }
-        }
-    }
-    let mut out = [[0.0f32; T]; R];
-    for i in 0..R {
-        for k in 0..T {
-            out[i][k] = crate::simd::hsum(acc[i][k]) + corr[i][k];
-        }
-    }
-    out
+    q8_tile_k_body!(TY, R, T, rows, row_bytes, nb, xq, xd, xs, stride, dot4_vnni)
 }
 
 /// `R × T` dot products with 8-bit activations (see `q8_tile_t`).
 ///
 /// # Safety
-/// As `q8_tile_t`.
+/// As `q8_tile_t`; `ty` is Q4_K or Q6_K.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
@@ -347,12 +262,8 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match ty {
-            BlockType::Q4_0 => q8_tile_t::<0, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
-            BlockType::Q4_1 => q8_tile_t::<1, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
-            BlockType::Q8_0 => q8_tile_t::<2, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
             BlockType::Q4_K => q8_tile_t::<3, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
-            BlockType::Q5_0 => q8_tile_t::<4, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
-            BlockType::Q6_K => q8_tile_t::<5, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            _ => q8_tile_t::<5, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
         }
     }
 }
@@ -366,8 +277,7 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
 ///
 /// - Q4_1: `acc += (d·dx)·Σ q·qx`, then `acc += m·(dx·Σ qx)`;
 /// - Q4_0: `acc += (d·dx)·(Σ q·qx − 8·Σ qx)`;
-/// - Q5_0: `acc += (d·dx)·(Σ q·qx − 16·Σ qx)`, the 5-bit codes `q` built from the nibbles and
-///   the transposed `qh` words (`x86::q5_high_bits`);
+/// - Q5_0: `acc += (d·dx)·(Σ q·qx − 16·Σ qx)`, the 5-bit codes `q` from `x86::q5_0_codes8`;
 /// - Q8_0: `acc += (d·dx)·(Σ (q + 128)·qx − 128·Σ qx)` (`q + 128` is the unsigned byte `q ^ 0x80`).
 ///
 /// The integer sums are exact, so the result is `Σ_b` of the same two roundings per block for
@@ -444,13 +354,7 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
                     w[4 + c] = _mm256_xor_si256(hi[c], sign);
                 }
             } else if TY == 4 {
-                // Q5_0: `d`, then `qh` (the 5th bits), then the nibbles as Q4_0.
-                let qh = super::x86::transpose8x1(blk.add(2), row_bytes);
-                let v = super::x86::transpose8x4(blk.add(6), row_bytes);
-                for c in 0..4 {
-                    w[c] = _mm256_or_si256(_mm256_and_si256(v[c], m4), super::x86::q5_high_bits(qh, c));
-                    w[4 + c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4), super::x86::q5_high_bits(qh, 4 + c));
-                }
+                w = super::x86::q5_0_codes8(blk, row_bytes);
             } else {
                 // Byte j of a Q4 block holds weight j (low nibble) and j + 16 (high nibble).
                 let v = super::x86::transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
