@@ -268,8 +268,8 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
     }
 }
 
-/// Dot products of 8 packed Q4_0 / Q4_1 / Q5_0 / Q8_0 rows with `T` tokens of 8-bit activations, one
-/// row per 32-bit lane (the idea of llama.cpp's repacked `Q4_0_8x8` GEMV, done on the original
+/// Dot products of 8 packed Q4_0 / Q4_1 / Q5_0 / Q8_0 rows with `T` tokens of 8-bit
+/// activations, one row per 32-bit lane (the idea of llama.cpp's repacked `Q4_0_8x8` GEMV, done on the original
 /// block layout with an 8 × 4 transpose instead of a repacked copy): per block, the codes of
 /// the 8 rows are transposed so that each `vpdpbusd` multiplies 4 consecutive codes of every
 /// row with the same 4 activation codes (broadcast); the block's `f16` scales (and Q4_1 minima)
