@@ -315,6 +315,8 @@ proptest! {
             }
             prop_assert_eq!(qa.sums[b], d * sum as f32);
             prop_assert_eq!(qa.isums[b], sum);
+            let lo: i32 = qa.codes[b * 32..b * 32 + 16].iter().map(|&q| i32::from(q)).sum();
+            prop_assert_eq!(qa.isums_lo[b], lo);
             if amax > 0.0 {
                 prop_assert!(qa.codes[b * 32..(b + 1) * 32].iter().any(|q| q.unsigned_abs() == 127));
             }
@@ -413,6 +415,7 @@ fn long_activation_quantization_equals_per_token() {
         assert_eq!(bits(&all.scales[t * nb..(t + 1) * nb]), bits(&one.scales), "token {t} scales");
         assert_eq!(bits(&all.sums[t * nb..(t + 1) * nb]), bits(&one.sums), "token {t} sums");
         assert_eq!(&all.isums[t * nb..(t + 1) * nb], &one.isums[..], "token {t} integer sums");
+        assert_eq!(&all.isums_lo[t * nb..(t + 1) * nb], &one.isums_lo[..], "token {t} first-half integer sums");
     }
     assert!(all.scales[70_000 / 32].is_nan());
 }

@@ -32,10 +32,10 @@
 //! - [`PackedMatrix::matmul_q8`] (opt-in, [`set_activation_precision`]): the activations are
 //!   quantized to 8 bits per block of 32 ([`QuantizedActivations`], llama.cpp's `block_q8_0`
 //!   idea) and multiplied with integer dot products (AVX-512 VNNI `vpdpbusd`, or AVX2
-//!   `vpmaddubsw` + `vpmaddwd`, with the same bits), as llama.cpp does. Q4_0 / Q4_1 / Q5_0 /
-//!   Q8_0 go 8 rows at a time, one row per 32-bit lane (codes transposed in registers, the next
-//!   rows prefetched), which makes single-token decode bound by memory bandwidth; Q4_K and Q6_K
-//!   in register tiles of rows × tokens. About 2× faster than the f32 path at one token, but
+//!   `vpmaddubsw` + `vpmaddwd`, with the same bits), as llama.cpp does. Every type goes 8 rows
+//!   at a time, one row per 32-bit lane (codes transposed in registers, the next rows
+//!   prefetched; Q4_K / Q6_K scales decoded once per super-block for the 8 rows), which makes
+//!   single-token decode bound by memory bandwidth. About 2× faster than the f32 path at one token, but
 //!   each activation carries a rounding error of up to `max|x_block| / 254`, so logits move by
 //!   ~1e-2 instead of ~1e-6;
 //!   the golden-logit bound of deco's tests (2e-3) is for the default f32 path.
@@ -48,59 +48,127 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
-/// The body of the 8-bit-activation k-quant tile (`R` rows of Q4_K (`TY` 3) or Q6_K (5) × `T`
-/// tokens), written once for `x86_512::q8_tile` (VNNI) and `x86::q8_tile_k` (AVX2). They differ
-/// only in `$dot(w, x)`: the 8 i32 lanes of 4-byte sums of unsigned `w` times signed `x`
-/// (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`), exact in both, so both kernels give the same
-/// bits. Per 32-weight sub-block: Q4_K `(d·sc·dx)·Σ q·qx + (−dmin·m)·(dx·Σ qx)`; Q6_K signed
-/// codes `q − 32` through `|q − 32|` times `sign(q − 32)·qx`, integer lanes 0..4 (weights
-/// 0..16) and 4..8 scaled by their own `d·sc·dx`. The per-block integer sums stay in 8 lanes,
-/// one horizontal sum at the end; for every (row, token) the float operations are the same
-/// whatever `R` and `T` are (batch invariance). Expanded inside an `unsafe` function whose
-/// caller guarantees `R` rows (spaced `row_bytes`) of `nb / 8` blocks and `T` tokens of
-/// quantized activations (`xq` codes spaced `stride`, `xd` / `xs` per-block scales and scaled
+/// The body of the 8-bit-activation k-quant kernels over 8 rows of Q4_K (`TY` 3) or Q6_K (5),
+/// one row per 32-bit lane (the layout of `q8_rows8`), written once for `x86_512::q8_rows8_k`
+/// (VNNI) and `x86::q8_rows8_k` (AVX2). They differ only in `$dot(w, x)`: the 8 i32 lanes of
+/// `Σ_{g<4}` 4-byte sums of unsigned codes `w[g]` times the broadcast signed activation codes
+/// `x[g]` (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`), exact in both, so both kernels give the
+/// same bits.
+///
+/// Per super-block (256 weights) the 8 rows' scales are decoded once into vectors, one row per
+/// lane: Q4_K's 6-bit scales and minima with ggml's `kmask` shuffle of the 12-byte field
+/// (`ggml_vec_dot_q4_K_q8_K`) on all 8 rows at once, Q6_K's 16 signed 8-bit scales; `d` and
+/// `dmin` are folded in. Per 32-weight sub-block `s` and token (activation block `i`):
+/// - Q4_K: `acc += (d·sc_s · dx_i)·Σ q·qx − (dmin·m_s)·(dx_i·Σ qx)`;
+/// - Q6_K (unsigned 6-bit codes `q`, weight `d·sc·(q − 32)`, a scale per 16 weights):
+///   `acc += (d·sc_{2s} · dx_i)·(Σ_{0..16} q·qx − 32·Σ_{0..16} qx) + (d·sc_{2s+1} · dx_i)·(Σ_{16..32}
+///   q·qx − 32·Σ_{16..32} qx)`, the activation half-sums from `xl` (first 16) and `xi − xl`.
+///
+/// For every (row, token) the float operations are the same whatever the lane, `T` and the row
+/// stride are (batch invariance; `row_bytes = 0` computes one row in all lanes). Expanded inside
+/// an `unsafe` function whose caller guarantees 8 rows (spaced `row_bytes`, possibly 0) of
+/// `nb / 8` super-blocks and `T` tokens of quantized activations (`xq` codes spaced `stride`;
+/// `xd`, `xs`, `xi`, `xl` per-block scales, scaled sums, integer sums and first-half integer
 /// sums spaced `nb`).
 #[cfg(target_arch = "x86_64")]
-macro_rules! q8_tile_k_body {
-    ($ty:ident, $r:ident, $t:ident, $rows:ident, $row_bytes:ident, $nb:ident, $xq:ident, $xd:ident, $xs:ident, $stride:ident, $dot:path) => {{
+macro_rules! q8_rows8_k_body {
+    ($ty:ident, $t:ident, $rows:ident, $rb:ident, $nb:ident, $xq:ident, $xd:ident, $xs:ident, $xi:ident, $xl:ident, $stride:ident, $dot:expr) => {{
+        use crate::quant::x86::{byte_f32, q4k_scales8, q6k_d8, q6k_high_bits, transpose8x4};
+        use crate::quant::{BLOCK, BlockType, Q6K_QH, Q6K_SCALES};
         let bb = if $ty == 3 { BlockType::Q4_K } else { BlockType::Q6_K }.block_bytes();
-        let mut acc = [[_mm256_setzero_ps(); $t]; $r];
-        let mut corr = [[0.0f32; $t]; $r];
-        for b in 0..$nb {
-            // SAFETY: b < nb, so every row's sub-block and each token's 32 codes / block
-            // scalars are in bounds.
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); $t];
+        for sb in 0..$nb / 8 {
+            // SAFETY: sb < nb / 8: the 8 rows' super-block sb and each token's blocks
+            // 8·sb .. 8·sb + 8 are in bounds (the caller's contract).
             unsafe {
-                let mut wq = [_mm256_setzero_si256(); $r];
-                let mut dw = [0.0f32; $r];
-                // Q4_K: `−dmin·m`; Q6_K: the scale of weights 16..32.
-                let mut dw2 = [0.0f32; $r];
-                for i in 0..$r {
-                    let blk = $rows.add(i * $row_bytes + (b / 8) * bb);
-                    (wq[i], dw[i], dw2[i]) = if $ty == 3 { q4k_sub_codes(blk, b % 8) } else { q6k_sub_codes(blk, b % 8) };
+                let blk = $rows.add(sb * bb);
+                // The next 8 rows (contiguous after these when `row_bytes` is the row size): one
+                // super-block's share of their bytes per super-block of these.
+                let ahead = $rows.add(8 * $rb + sb * 8 * bb);
+                for l in (0..8 * bb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8);
                 }
-                for k in 0..$t {
-                    let xv = _mm256_loadu_si256($xq.add(k * $stride + b * BLOCK) as *const __m256i);
-                    let dx = *$xd.add(k * $nb + b);
-                    let sx = *$xs.add(k * $nb + b);
-                    for i in 0..$r {
-                        let s = if $ty == 3 { $dot(wq[i], xv) } else { $dot(_mm256_abs_epi8(wq[i]), _mm256_sign_epi8(xv, wq[i])) };
-                        let scale = if $ty == 5 {
-                            _mm256_set_m128(_mm_set1_ps(dw2[i] * dx), _mm_set1_ps(dw[i] * dx))
-                        } else {
-                            _mm256_set1_ps(dw[i] * dx)
-                        };
-                        acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i][k]);
+                // One token's contribution of sub-block `s` (codes `w`, lane scales `dlo` for
+                // weights 0..16 and `dhi` for 16..32, or for Q4_K `dlo` = d·sc and `dhi` = dmin·m).
+                let mut step = |s: usize, w: &[__m256i; 8], dlo: __m256, dhi: __m256| {
+                    for k in 0..$t {
+                        let xb = $xq.add(k * $stride + (sb * 8 + s) * BLOCK) as *const i32;
+                        let x: [__m256i; 8] = std::array::from_fn(|g| _mm256_set1_epi32(xb.add(g).read_unaligned()));
+                        let i = k * $nb + sb * 8 + s;
+                        let dx = _mm256_set1_ps(*$xd.add(i));
+                        let lo = $dot([w[0], w[1], w[2], w[3]], [x[0], x[1], x[2], x[3]]);
+                        let hi = $dot([w[4], w[5], w[6], w[7]], [x[4], x[5], x[6], x[7]]);
                         if $ty == 3 {
-                            corr[i][k] += dw2[i] * sx;
+                            let si = _mm256_add_epi32(lo, hi);
+                            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dlo, dx), acc[k]);
+                            acc[k] = _mm256_fnmadd_ps(dhi, _mm256_set1_ps(*$xs.add(i)), acc[k]);
+                        } else {
+                            let il = *$xl.add(i);
+                            let ih = *$xi.add(i) - il;
+                            let lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * il));
+                            let hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * ih));
+                            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(dlo, dx), acc[k]);
+                            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(dhi, dx), acc[k]);
+                        }
+                    }
+                };
+                if $ty == 3 {
+                    let (d, dmin, sc, mn) = q4k_scales8(blk, $rb);
+                    for j in 0..4 {
+                        // Sub-blocks 2j (low nibbles) and 2j + 1 (high) share these 32 bytes.
+                        let v = transpose8x4(blk.add(16 + 32 * j), $rb);
+                        let u = transpose8x4(blk.add(32 + 32 * j), $rb);
+                        for h in 0..2 {
+                            let s = 2 * j + h;
+                            let nib = |c: __m256i| _mm256_and_si256(if h == 0 { c } else { _mm256_srli_epi16(c, 4) }, m4);
+                            let w = [nib(v[0]), nib(v[1]), nib(v[2]), nib(v[3]), nib(u[0]), nib(u[1]), nib(u[2]), nib(u[3])];
+                            let dsc = _mm256_mul_ps(d, byte_f32::<false>(sc[s / 4], s % 4));
+                            let dmn = _mm256_mul_ps(dmin, byte_f32::<false>(mn[s / 4], s % 4));
+                            step(s, &w, dsc, dmn);
+                        }
+                    }
+                } else {
+                    let d = q6k_d8(blk, $rb);
+                    let sv = transpose8x4(blk.add(Q6K_SCALES), $rb);
+                    for h in 0..2 {
+                        // The high 2 bits of the half's 4 sub-blocks (weights 0..16, 16..32).
+                        let qa = transpose8x4(blk.add(Q6K_QH + 32 * h), $rb);
+                        let qb = transpose8x4(blk.add(Q6K_QH + 32 * h + 16), $rb);
+                        for p in 0..2 {
+                            // Sub-blocks 4h + p (low nibbles) and 4h + p + 2 (high) share these.
+                            let la = transpose8x4(blk.add(64 * h + 32 * p), $rb);
+                            let lb = transpose8x4(blk.add(64 * h + 32 * p + 16), $rb);
+                            for n in 0..2 {
+                                let g = p + 2 * n;
+                                let s = 4 * h + g;
+                                let code = |l: __m256i, q: __m256i| _mm256_or_si256(_mm256_and_si256(if n == 0 { l } else { _mm256_srli_epi16(l, 4) }, m4), q6k_high_bits(q, g));
+                                let w = [
+                                    code(la[0], qa[0]),
+                                    code(la[1], qa[1]),
+                                    code(la[2], qa[2]),
+                                    code(la[3], qa[3]),
+                                    code(lb[0], qb[0]),
+                                    code(lb[1], qb[1]),
+                                    code(lb[2], qb[2]),
+                                    code(lb[3], qb[3]),
+                                ];
+                                let dlo = _mm256_mul_ps(d, byte_f32::<true>(sv[s / 2], 2 * (s % 2)));
+                                let dhi = _mm256_mul_ps(d, byte_f32::<true>(sv[s / 2], 2 * (s % 2) + 1));
+                                step(s, &w, dlo, dhi);
+                            }
                         }
                     }
                 }
             }
         }
-        let mut out = [[0.0f32; $t]; $r];
-        for i in 0..$r {
-            for k in 0..$t {
-                out[i][k] = crate::simd::hsum(acc[i][k]) + corr[i][k];
+        let mut out = [[0.0f32; $t]; 8];
+        for k in 0..$t {
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: 8 f32 of stack memory.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]) };
+            for r in 0..8 {
+                out[r][k] = lanes[r];
             }
         }
         out
@@ -371,6 +439,9 @@ pub struct QuantizedActivations {
     pub sums: Vec<f32>,
     /// Per-block `Σ q_i` (exact integers), `[n, cols / 32]`.
     pub isums: Vec<i32>,
+    /// Per-block `Σ q_i` over the block's first 16 codes (exact integers), `[n, cols / 32]`:
+    /// Q6_K has a scale per 16 weights.
+    pub isums_lo: Vec<i32>,
 }
 
 impl QuantizedActivations {
@@ -387,21 +458,21 @@ impl QuantizedActivations {
             return Err(Error::Length { what: "x", expected: n * cols, actual: x.len() });
         }
         let nblocks = x.len() / BLOCK;
-        let mut q = Self { codes: vec![0i8; x.len()], scales: vec![0.0f32; nblocks], sums: vec![0.0f32; nblocks], isums: vec![0i32; nblocks] };
+        let mut q = Self { codes: vec![0i8; x.len()], scales: vec![0.0f32; nblocks], sums: vec![0.0f32; nblocks], isums: vec![0i32; nblocks], isums_lo: vec![0i32; nblocks] };
         // Blocks are independent: a long prompt is quantized in parallel pieces of whole
         // blocks (the same values as in one piece).
         const PIECE: usize = 64 * 1024;
         let pb = PIECE / BLOCK;
-        let Self { codes, scales, sums, isums } = &mut q;
-        type Piece<'a> = ((((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]), &'a mut [i32]);
-        let run = |((((xp, c), sc), su), is): Piece<'_>| {
+        let Self { codes, scales, sums, isums, isums_lo } = &mut q;
+        type Piece<'a> = (((((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]), &'a mut [i32]), &'a mut [i32]);
+        let run = |(((((xp, c), sc), su), is), il): Piece<'_>| {
             #[cfg(target_arch = "x86_64")]
             if Isa::detect() != Isa::Scalar {
                 // SAFETY: AVX2 and FMA were detected (`Isa::detect` is not Scalar).
-                unsafe { quantize_blocks_avx2(xp, c, sc, su, is) };
+                unsafe { quantize_blocks_avx2(xp, c, sc, su, is, il) };
                 return;
             }
-            quantize_blocks(xp, c, sc, su, is);
+            quantize_blocks(xp, c, sc, su, is, il);
         };
         if x.len() > PIECE {
             x.par_chunks(PIECE)
@@ -409,9 +480,10 @@ impl QuantizedActivations {
                 .zip(scales.par_chunks_mut(pb))
                 .zip(sums.par_chunks_mut(pb))
                 .zip(isums.par_chunks_mut(pb))
+                .zip(isums_lo.par_chunks_mut(pb))
                 .for_each(run);
         } else {
-            run(((((x, &mut codes[..]), &mut scales[..]), &mut sums[..]), &mut isums[..]));
+            run((((((x, &mut codes[..]), &mut scales[..]), &mut sums[..]), &mut isums[..]), &mut isums_lo[..]));
         }
         Ok(q)
     }
@@ -424,14 +496,14 @@ impl QuantizedActivations {
 /// AVX2 and FMA must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_blocks_avx2(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32], isums: &mut [i32]) {
-    quantize_blocks(x, codes, scales, sums, isums);
+unsafe fn quantize_blocks_avx2(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32], isums: &mut [i32], isums_lo: &mut [i32]) {
+    quantize_blocks(x, codes, scales, sums, isums, isums_lo);
 }
 
 /// Quantizes `x` block by block into `codes` (as long as `x`) and the per-block `scales`,
-/// `sums`, `isums` (`x.len() / 32` each) of a [`QuantizedActivations`].
+/// `sums`, `isums`, `isums_lo` (`x.len() / 32` each) of a [`QuantizedActivations`].
 #[inline(always)]
-fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32], isums: &mut [i32]) {
+fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32], isums: &mut [i32], isums_lo: &mut [i32]) {
     for (b, (xb, qb)) in x.chunks_exact(BLOCK).zip(codes.chunks_exact_mut(BLOCK)).enumerate() {
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         if xb.iter().any(|v| !v.is_finite()) {
@@ -450,6 +522,7 @@ fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [
         scales[b] = d;
         sums[b] = d * sum as f32;
         isums[b] = sum;
+        isums_lo[b] = qb[..BLOCK / 2].iter().map(|&q| i32::from(q)).sum();
     }
 }
 
@@ -641,11 +714,11 @@ impl PackedMatrix {
     }
 
     /// [`PackedMatrix::matmul_q8`] on an explicit instruction set:
-    /// - [`Isa::Avx512`] (needs AVX-512 VNNI): `vpdpbusd`; Q4_0, Q4_1, Q5_0 and Q8_0 8 rows at
-    ///   a time (one row per 32-bit lane), Q4_K and Q6_K in tiles of 4 rows × 4 tokens;
+    /// - [`Isa::Avx512`] (needs AVX-512 VNNI): `vpdpbusd`, every block type 8 rows at a time
+    ///   (one row per 32-bit lane) and up to 4 tokens per pass over the rows;
     /// - [`Isa::Avx2`]: `vpmaddubsw` + `vpmaddwd` (ggml's AVX2 `mul_sum_us8_pairs_float`), the
-    ///   same row groups, Q4_K and Q6_K in tiles of 4 rows × 2 tokens; the same integer block
-    ///   sums and float operations as the VNNI kernels, so the same bits.
+    ///   same row groups; the same integer block sums and float operations as the VNNI kernels,
+    ///   so the same bits.
     ///
     /// # Errors
     /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] for
@@ -845,96 +918,48 @@ impl PackedMatrix {
         });
     }
 
-    /// The integer paths of [`PackedMatrix::matmul_q8_with`]: Q4_0, Q4_1, Q5_0 and Q8_0 through
-    /// `x86_512::q8_rows8` (`vnni`) or `x86::q8_rows8` (8 rows per vector, one lane per row),
-    /// Q4_K and Q6_K through `x86_512::q8_tile` (`vnni`) or `x86::q8_tile_k`.
+    /// The integer paths of [`PackedMatrix::matmul_q8_with`], 8 rows at a time (one row per
+    /// vector lane, codes transposed in registers): Q4_0, Q4_1, Q5_0 and Q8_0 through
+    /// `x86_512::q8_rows8` (`vnni`) or `x86::q8_rows8`, Q4_K and Q6_K through
+    /// `x86_512::q8_rows8_k` or `x86::q8_rows8_k`.
     #[cfg(target_arch = "x86_64")]
     fn matmul_tiled_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32], vnni: bool) {
         let (cols, ty) = (self.cols, self.ty);
         let nb = cols / BLOCK;
         let rb = self.row_bytes();
-        if matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0 | BlockType::Q5_0) {
-            // Integer products over 8 rows at once are ~4× cheaper than the f32 tile.
-            self.tiled::<8, _>(n, cols * n / 4, y, |t, wp, rk, tk| {
-                let (xq, xd, xs, xi) = (
-                    qa.codes[t * cols..].as_ptr(),
-                    qa.scales[t * nb..].as_ptr(),
-                    qa.sums[t * nb..].as_ptr(),
-                    qa.isums[t * nb..].as_ptr(),
-                );
-                // A lone leftover row goes through the same 8-lane code with all lanes on it
-                // (row stride 0), so its result has the same bits as inside a group of 8.
-                let stride_rows = if rk == 8 { rb } else { 0 };
-                // SAFETY: AVX2, FMA and F16C, and with `vnni` AVX-512 F/BW/VL/VNNI, were
-                // detected (`matmul_q8_with` checked `q8_isa()`); `tiled` passes `rk` rows that
-                // exist (`nb` blocks each, `stride_rows` apart) and tokens t .. t + tk that
-                // exist in `qa`.
-                unsafe {
-                    match (vnni, tk) {
-                        (true, TILE_T) => x86_512::q8_rows8::<TILE_T>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
-                        (true, 3) => widen(x86_512::q8_rows8::<3>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
-                        (true, 2) => widen(x86_512::q8_rows8::<2>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
-                        (true, _) => widen(x86_512::q8_rows8::<1>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
-                        (false, TILE_T) => x86::q8_rows8::<TILE_T>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
-                        (false, 3) => widen(x86::q8_rows8::<3>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
-                        (false, 2) => widen(x86::q8_rows8::<2>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
-                        (false, _) => widen(x86::q8_rows8::<1>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols)),
+        let kquant = matches!(ty, BlockType::Q4_K | BlockType::Q6_K);
+        // Integer products over 8 rows at once are ~4× cheaper than the f32 tile.
+        self.tiled::<8, _>(n, cols * n / 4, y, |t, wp, rk, tk| {
+            let (xq, xd, xs, xi, xl) = (
+                qa.codes[t * cols..].as_ptr(),
+                qa.scales[t * nb..].as_ptr(),
+                qa.sums[t * nb..].as_ptr(),
+                qa.isums[t * nb..].as_ptr(),
+                qa.isums_lo[t * nb..].as_ptr(),
+            );
+            // A lone leftover row goes through the same 8-lane code with all lanes on it
+            // (row stride 0), so its result has the same bits as inside a group of 8.
+            let stride_rows = if rk == 8 { rb } else { 0 };
+            macro_rules! call {
+                ($t:expr) => {
+                    match (vnni, kquant) {
+                        (true, false) => x86_512::q8_rows8::<{ $t }>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
+                        (true, true) => x86_512::q8_rows8_k::<{ $t }>(ty, wp, stride_rows, nb, xq, xd, xs, xi, xl, cols),
+                        (false, false) => x86::q8_rows8::<{ $t }>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
+                        (false, true) => x86::q8_rows8_k::<{ $t }>(ty, wp, stride_rows, nb, xq, xd, xs, xi, xl, cols),
                     }
-                }
-            });
-            return;
-        }
-        // Integer products are ~4× cheaper than f32 ones: larger chunks per task.
-        self.tiled::<TILE_R, _>(n, cols * n / 4, y, |t, wp, rk, tk| {
-            let (xq, xd, xs) = (qa.codes[t * cols..].as_ptr(), qa.scales[t * nb..].as_ptr(), qa.sums[t * nb..].as_ptr());
-            if !vnni {
-                // AVX2 (Q4_K, Q6_K): 16 registers hold a tile of 4 rows × 2 tokens at most, so
-                // the tokens go two at a time (the per-(row, token) operations do not depend
-                // on the tile shape).
-                let mut out = [[0.0f32; TILE_T]; TILE_R];
-                let mut j = 0;
-                while j < tk {
-                    let (xq, xd, xs) = (qa.codes[(t + j) * cols..].as_ptr(), qa.scales[(t + j) * nb..].as_ptr(), qa.sums[(t + j) * nb..].as_ptr());
-                    let two = tk - j >= 2;
-                    // SAFETY: AVX2, FMA and F16C were detected (`matmul_q8_with` checked
-                    // `q8_isa()`); `tiled` passes `rk` rows that exist and tokens t .. t + tk
-                    // that exist in `qa`; the type is Q4_K or Q6_K (the others went to
-                    // `q8_rows8` above).
-                    unsafe {
-                        match (rk == TILE_R, two) {
-                            (true, true) => {
-                                let o = x86::q8_tile_k::<TILE_R, 2>(ty, wp, rb, nb, xq, xd, xs, cols);
-                                for (dst, src) in out.iter_mut().zip(o) {
-                                    dst[j..j + 2].copy_from_slice(&src);
-                                }
-                            }
-                            (true, false) => {
-                                let o = x86::q8_tile_k::<TILE_R, 1>(ty, wp, rb, nb, xq, xd, xs, cols);
-                                for (dst, src) in out.iter_mut().zip(o) {
-                                    dst[j] = src[0];
-                                }
-                            }
-                            (false, true) => out[0][j..j + 2].copy_from_slice(&x86::q8_tile_k::<1, 2>(ty, wp, rb, nb, xq, xd, xs, cols)[0]),
-                            (false, false) => out[0][j] = x86::q8_tile_k::<1, 1>(ty, wp, rb, nb, xq, xd, xs, cols)[0][0],
-                        }
-                    }
-                    j += if two { 2 } else { 1 };
-                }
-                return out;
+                };
             }
-            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected (the caller checked
-            // `q8_available()`); `tiled` passes rows that exist (`nb` (sub-)blocks each) and
-            // tokens t .. t + tk that exist in the quantized activations.
+            // SAFETY: AVX2, FMA and F16C, and with `vnni` AVX-512 F/BW/VL/VNNI, were detected
+            // (`matmul_q8_with` checked `q8_isa()`); `tiled` passes `rk` rows that exist (`nb`
+            // blocks, or `nb / 8` super-blocks, each, `stride_rows` apart) and tokens t .. t + tk
+            // that exist in `qa`.
             unsafe {
-                match (rk, tk) {
-                    (TILE_R, TILE_T) => x86_512::q8_tile::<TILE_R, TILE_T>(ty, wp, rb, nb, xq, xd, xs, cols),
-                    (TILE_R, 3) => widen(x86_512::q8_tile::<TILE_R, 3>(ty, wp, rb, nb, xq, xd, xs, cols)),
-                    (TILE_R, 2) => widen(x86_512::q8_tile::<TILE_R, 2>(ty, wp, rb, nb, xq, xd, xs, cols)),
-                    (TILE_R, _) => widen(x86_512::q8_tile::<TILE_R, 1>(ty, wp, rb, nb, xq, xd, xs, cols)),
-                    (_, TILE_T) => widen(x86_512::q8_tile::<1, TILE_T>(ty, wp, rb, nb, xq, xd, xs, cols)),
-                    (_, 3) => widen(x86_512::q8_tile::<1, 3>(ty, wp, rb, nb, xq, xd, xs, cols)),
-                    (_, 2) => widen(x86_512::q8_tile::<1, 2>(ty, wp, rb, nb, xq, xd, xs, cols)),
-                    _ => widen(x86_512::q8_tile::<1, 1>(ty, wp, rb, nb, xq, xd, xs, cols)),
+                match tk {
+                    TILE_T => call!(TILE_T),
+                    3 => widen(call!(3)),
+                    2 => widen(call!(2)),
+                    _ => widen(call!(1)),
                 }
             }
         });

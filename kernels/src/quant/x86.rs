@@ -641,19 +641,92 @@ pub(super) unsafe fn q4k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f
     }
 }
 
-/// The AVX2 twin of `x86_512::q8_tile` for the k-quants (Q4_K, Q6_K): the same body
-/// (`q8_tile_k_body!`) with `vpmaddubsw` + `vpmaddwd` ([`dot4_avx2`]) where the VNNI kernel
-/// has `vpdpbusd`; both leave the same exact integer sums in the same lanes, so this kernel
-/// gives the VNNI kernel's bits. Sixteen ymm registers (no AVX-512 upper bank): callers keep
-/// `R · T ≤ 8`.
+/// Byte `j` (0..4) of every 32-bit lane of `v` as f32: unsigned (`SIGNED = false`) or
+/// sign-extended.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn byte_f32<const SIGNED: bool>(v: __m256i, j: usize) -> __m256 {
+    let i = if SIGNED {
+        _mm256_srai_epi32::<24>(_mm256_sll_epi32(v, _mm_cvtsi32_si128((24 - 8 * j) as i32)))
+    } else {
+        _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128((8 * j) as i32)), _mm256_set1_epi32(0xFF))
+    };
+    _mm256_cvtepi32_ps(i)
+}
+
+/// The scales of one Q4_K super-block of 8 rows (at `blk + r · row_bytes`), one row per lane:
+/// `(d, dmin, sc, mn)` with `d`, `dmin` as f32 and the eight 6-bit scales (`sc[0]` bytes 0..4:
+/// sub-blocks 0..4, `sc[1]`: 4..8) and minima (`mn`) as bytes, decoded from the 12-byte field
+/// with ggml's `kmask1/2/3` shuffle (`ggml_vec_dot_q4_K_q8_K`), which is `get_scale_min_k4`
+/// for all eight sub-blocks at once.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; `ty` is Q4_K or Q6_K; the `R` rows (spaced `row_bytes`) hold `nb / 8`
-/// blocks each (`nb` 32-weight sub-blocks); `xq` holds `T` rows of `nb · 32` codes spaced
-/// `stride`, `xd` and `xs` `T · nb` per-block scales and scaled sums spaced `nb`.
+/// AVX2; a whole 144-byte block at `blk + r · row_bytes` for r in 0..8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4k_scales8(blk: *const u8, row_bytes: usize) -> (__m256, __m256, [__m256i; 2], [__m256i; 2]) {
+    // SAFETY: bytes 0..28 of each row's block.
+    let (dm, u0, u1, u2) = unsafe {
+        (transpose8x1(blk, row_bytes), transpose8x1(blk.add(4), row_bytes), transpose8x1(blk.add(8), row_bytes), transpose8x1(blk.add(12), row_bytes))
+    };
+    let (k1, k2, k3) = (_mm256_set1_epi32(0x3f3f_3f3f), _mm256_set1_epi32(0x0f0f_0f0f), _mm256_set1_epi32(0x0303_0303));
+    let top2 = |u: __m256i| _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u), k3));
+    let sc = [_mm256_and_si256(u0, k1), _mm256_or_si256(_mm256_and_si256(u2, k2), top2(u0))];
+    let mn = [_mm256_and_si256(u1, k1), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32::<4>(u2), k2), top2(u1))];
+    (halves_to_f32::<false>(dm), halves_to_f32::<true>(dm), sc, mn)
+}
+
+/// The f16 `d` of one Q6_K super-block of 8 rows (at `blk + r · row_bytes`), one row per lane.
+///
+/// # Safety
+/// AVX2; a whole 210-byte block at `blk + r · row_bytes` for r in 0..8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6k_d8(blk: *const u8, row_bytes: usize) -> __m256 {
+    // SAFETY: bytes 208..210 of each row's block.
+    let ld = |r: usize| unsafe { (blk.add(r * row_bytes + Q6K_D) as *const i16).read_unaligned() };
+    _mm256_cvtph_ps(_mm_setr_epi16(ld(0), ld(1), ld(2), ld(3), ld(4), ld(5), ld(6), ld(7)))
+}
+
+/// Bits `2g, 2g + 1` of every byte of `qh` (Q6_K's high bits of sub-block `g` of a half) moved
+/// to bits 4, 5 (16-bit shifts, then a byte mask).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q6k_high_bits(qh: __m256i, g: usize) -> __m256i {
+    let hi = match g {
+        0 => _mm256_slli_epi16::<4>(qh),
+        1 => _mm256_slli_epi16::<2>(qh),
+        2 => qh,
+        _ => _mm256_srli_epi16::<2>(qh),
+    };
+    _mm256_and_si256(hi, _mm256_set1_epi8(0x30))
+}
+
+/// `Σ_{g<4}` of the 4-byte sums of unsigned `w[g]` times signed `x[g]`, per 32-bit lane, with
+/// `vpmaddubsw` + `vpmaddwd`; exact: Q4_K codes ≤ 15 (`TY` 3) let four groups add in 16 bits
+/// (4 · 2 · 15 · 127 = 15,240), Q6_K codes ≤ 63 two (2 · 2 · 63 · 127 = 32,004).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot16_avx2<const TY: u8>(w: [__m256i; 4], x: [__m256i; 4]) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    let p = |g: usize| _mm256_maddubs_epi16(w[g], x[g]);
+    if TY == 3 {
+        _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3))), ones)
+    } else {
+        _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p(0), p(1)), ones), _mm256_madd_epi16(_mm256_add_epi16(p(2), p(3)), ones))
+    }
+}
+
+/// The AVX2 twin of `x86_512::q8_rows8_k` (Q4_K, Q6_K, 8 rows per vector): the same body
+/// (`q8_rows8_k_body!`) with `vpmaddubsw` + `vpmaddwd` ([`dot16_avx2`]) where the VNNI kernel
+/// has `vpdpbusd`; both leave the same exact integer sums in the same lanes, so this kernel
+/// gives the VNNI kernel's bits.
+///
+/// # Safety
+/// AVX2, FMA and F16C; otherwise as `x86_512::q8_rows8_k`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q8_tile_k<const R: usize, const T: usize>(
+pub(super) unsafe fn q8_rows8_k<const T: usize>(
     ty: BlockType,
     rows: *const u8,
     row_bytes: usize,
@@ -661,37 +734,32 @@ pub(super) unsafe fn q8_tile_k<const R: usize, const T: usize>(
     xq: *const i8,
     xd: *const f32,
     xs: *const f32,
+    xi: *const i32,
+    xl: *const i32,
     stride: usize,
-) -> [[f32; T]; R] {
+) -> [[f32; T]; 8] {
     // SAFETY: forwarded from the caller.
     unsafe {
         match ty {
-            BlockType::Q4_K => q8_tile_k_t::<3, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
-            _ => q8_tile_k_t::<5, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            BlockType::Q4_K => q8_rows8_k_t::<3, T>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+            _ => q8_rows8_k_t::<5, T>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
         }
     }
-}
-
-/// `vpmaddubsw` + `vpmaddwd`: the 8 i32 lanes of 4-byte sums of unsigned `w` times signed `x`.
-/// Exact while no 16-bit pair saturates: Q4_K codes ≤ 15 and `|q − 32|` ≤ 32 of Q6_K, times
-/// `|qx|` ≤ 127, give pairs ≤ 8,128.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot4_avx2(w: __m256i, x: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
 }
 
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_tile_k_t<const TY: u8, const R: usize, const T: usize>(
+unsafe fn q8_rows8_k_t<const TY: u8, const T: usize>(
     rows: *const u8,
     row_bytes: usize,
     nb: usize,
     xq: *const i8,
     xd: *const f32,
     xs: *const f32,
+    xi: *const i32,
+    xl: *const i32,
     stride: usize,
-) -> [[f32; T]; R] {
-    q8_tile_k_body!(TY, R, T, rows, row_bytes, nb, xq, xd, xs, stride, dot4_avx2)
+) -> [[f32; T]; 8] {
+    q8_rows8_k_body!(TY, T, rows, row_bytes, nb, xq, xd, xs, xi, xl, stride, dot16_avx2::<TY>)
 }

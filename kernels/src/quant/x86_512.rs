@@ -210,46 +210,33 @@ pub(super) unsafe fn tile<const R: usize, const T: usize>(
     }
 }
 
-/// `vpdpbusd`: the 8 i32 lanes of 4-byte sums of unsigned `w` times signed `x` (32 products
-/// per instruction).
+/// `Σ_{g<4}` of the 4-byte sums of unsigned `w[g]` times signed `x[g]`, per 32-bit lane: one
+/// `vpdpbusd` chain (32 products per instruction), exact.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn dot4_vnni(w: __m256i, x: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+fn dot16_vnni(w: [__m256i; 4], x: [__m256i; 4]) -> __m256i {
+    let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], x[0]);
+    let s = _mm256_dpbusd_epi32(s, w[1], x[1]);
+    let s = _mm256_dpbusd_epi32(s, w[2], x[2]);
+    _mm256_dpbusd_epi32(s, w[3], x[3])
 }
 
-/// Dot products of `R` packed Q4_K (`TY` 3) or Q6_K (5) rows with `T` tokens whose activations
-/// were quantized to 8 bits per 32-value block ([`super::QuantizedActivations`]), with AVX-512
-/// VNNI, as llama.cpp's `ggml_vec_dot_q4_K_q8_K` / `q6_K_q8_K` per 32-weight sub-block; the
-/// body is `q8_tile_k_body!` (shared with the AVX2 twin `x86::q8_tile_k`). The other block
-/// types go through `q8_rows8`.
+/// Dot products of 8 packed Q4_K or Q6_K rows with `T` tokens of 8-bit activations
+/// ([`super::QuantizedActivations`]), one row per 32-bit lane, with AVX-512 VNNI: `q8_rows8`'s
+/// layout (codes of the 8 rows transposed in registers, the next 8 rows prefetched) with the
+/// super-block scales of the 8 rows decoded once per super-block into vectors (the per-row,
+/// per-sub-block arithmetic of llama.cpp's `ggml_vec_dot_q4_K_q8_K` / `q6_K_q8_K`, on 32-weight
+/// activation blocks). The body is `q8_rows8_k_body!`, shared with the AVX2 twin
+/// `x86::q8_rows8_k` (same bits).
 ///
 /// # Safety
-/// The CPU must support AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; the `R` rows must hold
-/// `nb / 8` blocks each; `xq` must hold `T` rows of `nb · 32` codes spaced `stride`, `xd` and
-/// `xs` `T · nb` per-block scales and scaled sums (`dx · Σ qx`) spaced `nb`.
-#[inline]
-#[allow(clippy::needless_range_loop)] // (row, token) indices name the register tile
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q8_tile_t<const TY: u8, const R: usize, const T: usize>(
-    rows: *const u8,
-    row_bytes: usize,
-    nb: usize,
-    xq: *const i8,
-    xd: *const f32,
-    xs: *const f32,
-    stride: usize,
-) -> [[f32; T]; R] {
-    q8_tile_k_body!(TY, R, T, rows, row_bytes, nb, xq, xd, xs, stride, dot4_vnni)
-}
-
-/// `R × T` dot products with 8-bit activations (see `q8_tile_t`).
-///
-/// # Safety
-/// As `q8_tile_t`; `ty` is Q4_K or Q6_K.
+/// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `ty` is Q4_K or Q6_K; 8 rows (spaced `row_bytes`,
+/// possibly 0) of `nb / 8` super-blocks at `rows`; `xq` holds `T` rows of `nb · 32` codes spaced
+/// `stride`; `xd`, `xs`, `xi`, `xl` hold `T · nb` per-block scales, scaled sums, integer sums and
+/// integer sums of the first 16 codes, spaced `nb`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
+pub(super) unsafe fn q8_rows8_k<const T: usize>(
     ty: BlockType,
     rows: *const u8,
     row_bytes: usize,
@@ -257,15 +244,34 @@ pub(super) unsafe fn q8_tile<const R: usize, const T: usize>(
     xq: *const i8,
     xd: *const f32,
     xs: *const f32,
+    xi: *const i32,
+    xl: *const i32,
     stride: usize,
-) -> [[f32; T]; R] {
+) -> [[f32; T]; 8] {
     // SAFETY: forwarded from the caller.
     unsafe {
         match ty {
-            BlockType::Q4_K => q8_tile_t::<3, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
-            _ => q8_tile_t::<5, R, T>(rows, row_bytes, nb, xq, xd, xs, stride),
+            BlockType::Q4_K => q8_rows8_k_t::<3, T>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+            _ => q8_rows8_k_t::<5, T>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
         }
     }
+}
+
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_rows8_k_t<const TY: u8, const T: usize>(
+    rows: *const u8,
+    row_bytes: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    xl: *const i32,
+    stride: usize,
+) -> [[f32; T]; 8] {
+    q8_rows8_k_body!(TY, T, rows, row_bytes, nb, xq, xd, xs, xi, xl, stride, dot16_vnni)
 }
 
 /// Dot products of 8 packed Q4_0 / Q4_1 / Q5_0 / Q8_0 rows with `T` tokens of 8-bit
