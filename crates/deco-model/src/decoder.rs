@@ -332,6 +332,11 @@ pub enum LinearWeight {
     /// GGUF blocks on the host, `[out, in]`, multiplied by the packed CPU kernels of
     /// [`deco_kernels::quant`] (the activations go to the host and back).
     Packed(Arc<PackedMatrix>),
+    /// GGUF blocks of different types on the host, stacked along the output dimension (parts
+    /// `[out_i, in]`, outputs side by side in order): a fused Q/K/V whose V is Q8_0 and Q/K
+    /// Q5_0, as llama.cpp's Q4_K_M files of models whose hidden size is not a multiple of 256
+    /// have. One packed kernel call per part, instead of a dequantized f32 copy.
+    PackedParts(Arc<[PackedMatrix]>),
     /// GGUF blocks on a GPU device, `[out, in]`, multiplied by the CubeCL kernel of
     /// [`deco_kernels::cube::CubePackedMatrix`] (dequantized in registers, nothing leaves the
     /// device). Features `wgpu` / `cuda` only.
@@ -363,6 +368,27 @@ impl LinearWeight {
                 crate::host::with_host(&x, |xs| m.matmul(xs, n, &mut y))?.map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
             }
+            LinearWeight::PackedParts(parts) => {
+                let [n, _] = x.dims();
+                let device = x.device();
+                let total: usize = parts.iter().map(PackedMatrix::rows).sum();
+                let mut y = vec![0.0f32; n * total];
+                crate::host::with_host(&x, |xs| -> deco_kernels::Result<()> {
+                    let (mut off, mut part) = (0, Vec::new());
+                    for m in parts.iter() {
+                        let rows = m.rows();
+                        part.resize(n * rows, 0.0);
+                        m.matmul(xs, n, &mut part)?;
+                        for (dst, src) in y.chunks_exact_mut(total).zip(part.chunks_exact(rows.max(1))) {
+                            dst[off..off + rows].copy_from_slice(src);
+                        }
+                        off += rows;
+                    }
+                    Ok(())
+                })?
+                .map_err(|e| Error::InvalidInput(e.to_string()))?;
+                Ok(Tensor::from_data(TensorData::new(y, [n, total]), &device))
+            }
             #[cfg(any(feature = "wgpu", feature = "cuda"))]
             LinearWeight::Device(m) => m.matmul(x).map_err(|e| Error::InvalidInput(e.to_string())),
         }
@@ -381,6 +407,13 @@ impl LinearWeight {
             LinearWeight::Packed(m) => {
                 let t = crate::host::transpose(&m.dequantize(), m.rows(), m.cols());
                 Ok(Tensor::from_data(TensorData::new(t, [m.cols(), m.rows()]), device))
+            }
+            LinearWeight::PackedParts(parts) => {
+                let deq: Vec<Vec<f32>> = parts.iter().map(PackedMatrix::dequantize).collect();
+                let refs: Vec<(&[f32], usize)> = deq.iter().zip(parts.iter()).map(|(d, m)| (d.as_slice(), m.rows())).collect();
+                let inner = parts.first().map_or(0, PackedMatrix::cols);
+                let total: usize = parts.iter().map(PackedMatrix::rows).sum();
+                Ok(Tensor::from_data(TensorData::new(crate::host::fuse_transposed(&refs, inner), [inner, total]), device))
             }
             #[cfg(any(feature = "wgpu", feature = "cuda"))]
             LinearWeight::Device(m) => {
@@ -403,6 +436,30 @@ impl LinearWeight {
         }
         let _ = device;
         LinearWeight::Packed(Arc::new(m))
+    }
+
+    /// Packed matrices that read the same input, stacked along the output dimension: runs of
+    /// equal block type are concatenated ([`PackedMatrix::concat_rows`]); one run is
+    /// [`LinearWeight::packed`], several are [`LinearWeight::PackedParts`] on the CPU. `None`
+    /// where the parts cannot stay packed (a GPU device whose kernel takes one matrix, or
+    /// different row lengths): the caller fuses them dense.
+    pub fn packed_stack(parts: Vec<PackedMatrix>, device: &Device) -> Option<Self> {
+        let mut runs: Vec<PackedMatrix> = Vec::new();
+        for m in parts {
+            match runs.last_mut() {
+                Some(last) if last.ty() == m.ty() => *last = PackedMatrix::concat_rows(&[&*last, &m]).ok()?,
+                _ => runs.push(m),
+            }
+        }
+        if runs.windows(2).any(|w| w[0].cols() != w[1].cols()) {
+            return None;
+        }
+        match runs.len() {
+            0 => None,
+            1 => runs.pop().map(|m| Self::packed(m, device)),
+            _ if gpu_kernels(device) => None,
+            _ => Some(LinearWeight::PackedParts(runs.into())),
+        }
     }
 }
 
@@ -582,4 +639,75 @@ pub(crate) fn causal_gqa_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, pas
         return y;
     }
     deco_kernels::ops::causal_gqa_attention(q, k, v, past)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Tensor, TensorData};
+    use deco_formats::ggml::{self, GgmlType};
+    use deco_kernels::quant::{BlockType, PackedMatrix};
+
+    use super::LinearWeight;
+
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Parts of different block types stay packed (one part per run of equal type) and give the
+    /// f64 product of the dequantized weights (ggml's dequantization), parts side by side; the
+    /// dense copy is the same weights transposed.
+    #[test]
+    fn mixed_type_stack_matches_dequantized_reference() {
+        let (cols, n) = (64, 3);
+        let spec = [(GgmlType::Q4_0, BlockType::Q4_0, 40), (GgmlType::Q4_0, BlockType::Q4_0, 8), (GgmlType::Q8_0, BlockType::Q8_0, 24), (GgmlType::Q4_0, BlockType::Q4_0, 16)];
+        let (mut parts, mut deq) = (Vec::new(), Vec::new());
+        for (i, &(g, b, rows)) in spec.iter().enumerate() {
+            let w = values(i as u64 + 1, rows * cols);
+            let bytes = if b == BlockType::Q8_0 { ggml::quantize_q8_0(&w) } else { ggml::quantize_q4_0(&w) }.expect("quantize");
+            deq.extend(ggml::dequantize(g, &bytes, rows * cols).expect("dequantize"));
+            parts.push(PackedMatrix::new(b, rows, cols, bytes).expect("packed"));
+        }
+        let total: usize = spec.iter().map(|s| s.2).sum();
+        let device = Device::flex();
+        let w = LinearWeight::packed_stack(parts, &device).expect("stays packed");
+        let LinearWeight::PackedParts(p) = &w else { panic!("expected PackedParts, got {w:?}") };
+        assert_eq!(p.iter().map(|m| (m.ty(), m.rows())).collect::<Vec<_>>(), [(BlockType::Q4_0, 48), (BlockType::Q8_0, 24), (BlockType::Q4_0, 16)]);
+        let x = values(99, n * cols);
+        let y = w.apply(Tensor::from_data(TensorData::new(x.clone(), [n, cols]), &device)).expect("apply");
+        assert_eq!(y.dims(), [n, total]);
+        let y = y.try_into_vec_as::<f32>().expect("read");
+        for t in 0..n {
+            for r in 0..total {
+                let (mut want, mut mag) = (0.0f64, 0.0f64);
+                for c in 0..cols {
+                    let p = f64::from(deq[r * cols + c]) * f64::from(x[t * cols + c]);
+                    want += p;
+                    mag += p.abs();
+                }
+                let got = f64::from(y[t * total + r]);
+                assert!((got - want).abs() <= 1e-5 * mag + 1e-6, "({t}, {r}): {got} vs {want}");
+            }
+        }
+        let dense = w.dense_transposed(&device).expect("dense").try_into_vec_as::<f32>().expect("read");
+        for r in 0..total {
+            for c in 0..cols {
+                assert_eq!(dense[c * total + r], deq[r * cols + c], "dense copy at ({r}, {c})");
+            }
+        }
+    }
+
+    /// One type stays one packed matrix.
+    #[test]
+    fn same_type_stack_is_one_matrix() {
+        let w = values(5, 2 * 32);
+        let parts = (0..2).map(|_| PackedMatrix::new(BlockType::Q8_0, 1, 32, ggml::quantize_q8_0(&w[..32]).expect("q")).expect("packed")).collect();
+        let w = LinearWeight::packed_stack(parts, &Device::flex()).expect("packed");
+        assert!(matches!(&w, LinearWeight::Packed(m) if m.rows() == 2), "{w:?}");
+    }
 }

@@ -219,7 +219,8 @@ impl Llama {
         };
 
         // The weights `names` stacked along the output dimension: packed when every part is
-        // packed with the same block type, dense (transposed, `[in, sum out]`) otherwise.
+        // packed (one matrix per run of equal block type), dense (transposed, `[in, sum out]`)
+        // otherwise.
         let linear = |names: &[String], inner: usize| -> Result<LinearWeight> {
             if let Some(pk) = packed {
                 let mut parts = Vec::with_capacity(names.len());
@@ -229,11 +230,10 @@ impl Llama {
                         None => break,
                     }
                 }
-                if parts.len() == names.len() {
-                    let refs: Vec<&PackedMatrix> = parts.iter().collect();
-                    if let Ok(m) = PackedMatrix::concat_rows(&refs) {
-                        return Ok(LinearWeight::packed(m, device));
-                    }
+                if parts.len() == names.len()
+                    && let Some(w) = LinearWeight::packed_stack(parts, device)
+                {
+                    return Ok(w);
                 }
             }
             let parts = names.iter().map(|n| fetch(n)).collect::<Result<Vec<_>>>()?;
@@ -422,7 +422,7 @@ impl Llama {
         for w in layers.chain(std::iter::once(&self.head)) {
             match w {
                 LinearWeight::Dense(_) | LinearWeight::Host(_) => s.dense += 1,
-                LinearWeight::Packed(_) => s.host_packed += 1,
+                LinearWeight::Packed(_) | LinearWeight::PackedParts(_) => s.host_packed += 1,
                 #[cfg(any(feature = "wgpu", feature = "cuda"))]
                 LinearWeight::Device(_) => s.device_packed += 1,
             }
