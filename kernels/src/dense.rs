@@ -285,7 +285,8 @@ unsafe fn gram_avx512(x: &[f32], n: usize, cols: usize, g: &mut [f32]) {
 }
 
 /// The streaming loop over weight rows `rows`: `acc[t, ..] = Σ_{i ∈ rows} x[t, i] · w[i, ..]`
-/// (`acc` is `[n, out]`, zero on entry).
+/// (`acc` is `[n, out]`, zero on entry), the rows in order, each product added with one
+/// rounding (`mul_add`), so the SIMD kernel below gives the same bits.
 #[inline(always)]
 fn stream(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, rows: std::ops::Range<usize>, acc: &mut [f32]) {
     for i in rows {
@@ -293,20 +294,66 @@ fn stream(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, rows: std::o
         for t in 0..n {
             let xv = x[t * inner + i];
             for (a, &wv) in acc[t * out..(t + 1) * out].iter_mut().zip(wr) {
-                *a += xv * wv;
+                *a = xv.mul_add(wv, *a);
             }
         }
     }
 }
 
-/// [`stream`] compiled for AVX2 + FMA (the AXPY loops vectorize).
+/// [`stream`] with AVX2 + FMA: four weight rows per pass over `acc` (four streams from memory,
+/// one load and one store of `acc` per four rows instead of per row), 32 columns per step;
+/// per element the same FMAs in the same row order as [`stream`], so the same bits.
 ///
 /// # Safety
-/// AVX2 and FMA must be available.
+/// AVX2 and FMA must be available; `x` is `[n, inner]`, `w` `[inner, out]`, `acc` `[n, out]`,
+/// `rows` within `0..inner`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn stream_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, rows: std::ops::Range<usize>, acc: &mut [f32]) {
-    stream(x, n, w, inner, out, rows, acc);
+    use std::arch::x86_64::*;
+    debug_assert!(rows.end <= inner && w.len() >= inner * out && x.len() >= n * inner && acc.len() >= n * out);
+    let mut i = rows.start;
+    while i + 4 <= rows.end {
+        let wp = w[i * out..].as_ptr();
+        for t in 0..n {
+            let xs = [x[t * inner + i], x[t * inner + i + 1], x[t * inner + i + 2], x[t * inner + i + 3]];
+            let xv = xs.map(|v| _mm256_set1_ps(v));
+            let ap = acc[t * out..].as_mut_ptr();
+            let mut j = 0;
+            // SAFETY: columns j .. j + 32 (or + 8) < out of rows i .. i + 4 < inner and of
+            // token t's accumulator are in bounds (the caller's shapes).
+            unsafe {
+                while j + 32 <= out {
+                    for u in 0..4 {
+                        let c = j + 8 * u;
+                        let mut a = _mm256_loadu_ps(ap.add(c));
+                        for r in 0..4 {
+                            a = _mm256_fmadd_ps(xv[r], _mm256_loadu_ps(wp.add(r * out + c)), a);
+                        }
+                        _mm256_storeu_ps(ap.add(c), a);
+                    }
+                    j += 32;
+                }
+                while j + 8 <= out {
+                    let mut a = _mm256_loadu_ps(ap.add(j));
+                    for r in 0..4 {
+                        a = _mm256_fmadd_ps(xv[r], _mm256_loadu_ps(wp.add(r * out + j)), a);
+                    }
+                    _mm256_storeu_ps(ap.add(j), a);
+                    j += 8;
+                }
+                for c in j..out {
+                    let mut a = *ap.add(c);
+                    for r in 0..4 {
+                        a = xs[r].mul_add(*wp.add(r * out + c), a);
+                    }
+                    *ap.add(c) = a;
+                }
+            }
+        }
+        i += 4;
+    }
+    stream(x, n, w, inner, out, i..rows.end, acc);
 }
 
 /// Tokens per register tile of [`gemm_avx512`] (the broadcast side).
