@@ -6,7 +6,6 @@
 //! Shazeer 2020, "GLU Variants Improve Transformer", eq. 6 (SwiGLU with β = 1):
 //! `silu(g) · u`, `silu(g) = g / (1 + e^{−g})` (transformers' `LlamaMLP`, `ACT2FN["silu"]`).
 
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::quant::Isa;
@@ -49,7 +48,7 @@ pub fn swiglu(gu: &[f32], n: usize, i: usize, out: &mut [f32]) -> Result<()> {
     };
     let per_task = ROWS_PER_TASK * i;
     if n > ROWS_PER_TASK {
-        out.par_chunks_mut(per_task).enumerate().for_each(|(c, o)| {
+        crate::team::par_chunks_mut(out, per_task, |c, o| {
             for (k, orow) in o.chunks_mut(i).enumerate() {
                 row((c * ROWS_PER_TASK + k, orow));
             }

@@ -45,7 +45,6 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::quant::Isa;
@@ -239,7 +238,7 @@ fn attend_group(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], out: &mut [f32]
         }
     };
     if parallel {
-        part.par_chunks_mut(kv_per_task * stride).enumerate().for_each(run);
+        crate::team::par_chunks_mut(&mut part, kv_per_task * stride, |i, c| run((i, c)));
     } else {
         part.chunks_mut(kv_per_task * stride).enumerate().for_each(run);
     }
@@ -266,7 +265,7 @@ fn attend_group(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], out: &mut [f32]
     };
     let per_seq = n_heads * head_dim;
     if parallel && seqs.len() > 1 {
-        out.par_chunks_mut(per_seq).enumerate().for_each(merge);
+        crate::team::par_chunks_mut(out, per_seq, |i, c| merge((i, c)));
     } else {
         out.chunks_mut(per_seq).enumerate().for_each(merge);
     }

@@ -3,9 +3,10 @@
 //! CPU.
 //!
 //! - Few tokens (decode, speculative verification; `n ≤` [`SMALL_N`]): a streaming kernel,
-//!   split over the inner dimension: each rayon task reads a contiguous run of weight rows once,
-//!   in order, and adds `x[t, i] · w[i, ..]` to its own `[n, out]` partial sums (an AXPY per
-//!   row and token, vectorized for AVX2 + FMA); the partials are added in task order. Every
+//!   split over the inner dimension: each task reads a contiguous run of weight rows once, in
+//!   order, and adds `x[t, i] · w[i, ..]` to its own `[n, out]` partial sums (AXPYs with FMA,
+//!   four weight rows per pass over the partial sums with AVX2); the partials are added in task
+//!   order. Every
 //!   weight is read once per call, at the streaming rate of DRAM; the `gemm` crate instead
 //!   packs the weight panel before it multiplies, which reads it twice and writes it once.
 //! - More tokens (prefill) with AVX-512: deco's own register-tiled kernel ([`gemm_avx512`]; the
@@ -70,7 +71,7 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
         let tasks = inner.div_ceil(kc);
         let isa = Isa::detect();
         let mut part = vec![0.0f32; tasks * n * out];
-        part.par_chunks_mut(n * out).enumerate().for_each(|(k, acc)| {
+        crate::team::par_chunks_mut(&mut part, n * out, |k, acc| {
             let rows = k * kc..((k + 1) * kc).min(inner);
             match isa {
                 #[cfg(target_arch = "x86_64")]
@@ -79,7 +80,7 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
                 _ => stream(x, n, w, inner, out, rows, acc),
             }
         });
-        y.par_chunks_mut(cols).enumerate().for_each(|(ci, yc)| {
+        crate::team::par_chunks_mut(y, cols, |ci, yc| {
             // `y` is [n, out]; chunk ci covers flat indices ci·cols ..; add the partials there.
             let start = ci * cols;
             for (j, v) in yc.iter_mut().enumerate() {
@@ -98,7 +99,7 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
         unsafe { gemm_avx512(x, n, w, inner, out, y) };
         return Ok(());
     }
-    (0..out.div_ceil(cols)).into_par_iter().for_each(|ci| {
+    crate::team::par_for(out.div_ceil(cols), |ci| {
         let c0 = ci * cols;
         let c1 = (c0 + cols).min(out);
         // SAFETY: dst is columns c0 .. c1 of y (row stride `out`), which only this task
@@ -394,7 +395,7 @@ unsafe fn gemm_avx512(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
     let tok_chunk = n.div_ceil(tok_tasks).next_multiple_of(MR);
     let tok_tasks = n.div_ceil(tok_chunk);
     let yp = SyncPtr(y.as_mut_ptr());
-    (0..tok_tasks * col_tasks).into_par_iter().for_each(|task| {
+    crate::team::par_for(tok_tasks * col_tasks, |task| {
         let (ti, ci) = (task / col_tasks, task % col_tasks);
         let (t0, t1) = (ti * tok_chunk, ((ti + 1) * tok_chunk).min(n));
         let (c0, c1) = (ci * col_chunk, ((ci + 1) * col_chunk).min(out));

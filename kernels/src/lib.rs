@@ -28,6 +28,7 @@ pub mod ops;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+pub mod team;
 
 pub use device::{DeviceError, select_device};
 pub use error::{Error, Result};

@@ -385,14 +385,15 @@ impl Llama {
         if rows.len() != inputs.len() || inputs.iter().zip(rows).any(|(i, &r)| r == 0 || r > i.tokens.len()) {
             return Err(Error::InvalidInput("rows must give one count in 1..=tokens per sequence".into()));
         }
-        // Run the whole pass on a worker of the current rayon pool: the parallel kernels
-        // inside (packed matmuls, attention, burn-flex ops) then fork from a worker instead of
-        // handing every call over from an outside thread and blocking it (one sleep/wake pair
-        // per kernel call, ~150 per token, otherwise).
+        // Run the whole pass on a worker of the current rayon pool, with the pool's other
+        // workers as a spinning team for the parallel kernels inside (packed matmuls,
+        // attention, SwiGLU: `deco_kernels::team`), instead of handing every call over from an
+        // outside thread and blocking it, or waking a sleeping worker per call (~150 calls per
+        // token).
         // CPU only: a GPU device keeps its stream per thread, so its forwards stay where they
         // were called.
         if self.device == Device::flex() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_inner(inputs, cache, rows, num_layers));
+            return rayon::scope(|_| deco_kernels::team::with_team(|| self.forward_inner(inputs, cache, rows, num_layers)));
         }
         self.forward_inner(inputs, cache, rows, num_layers)
     }

@@ -40,8 +40,9 @@
 //!   ~1e-2 instead of ~1e-6;
 //!   the golden-logit bound of deco's tests (2e-3) is for the default f32 path.
 //!
-//! Both are multithreaded over output rows with rayon and run in the *current* rayon pool (the
-//! global one that `deco --threads N` configures, or the one a caller `install`s).
+//! Both are multithreaded over output rows ([`crate::team::par_for`]: the spinning team of a
+//! forward pass, else rayon) and run in the *current* rayon pool (the global one that `deco
+//! --threads N` configures, or the one a caller `install`s).
 
 use half::f16;
 use rayon::prelude::*;
@@ -848,7 +849,7 @@ impl PackedMatrix {
             return;
         }
         let group = 4;
-        (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+        crate::team::par_for(rows.div_ceil(chunk), |ci| {
             let rows_here = ci * chunk..((ci + 1) * chunk).min(rows);
             for t0 in (0..n).step_by(TOKEN_TILE) {
                 let t1 = (t0 + TOKEN_TILE).min(n);
@@ -983,7 +984,7 @@ impl PackedMatrix {
         let chunk = self.chunk_rows(cost).next_multiple_of(R);
         let sub = (SUB_BYTES / row_bytes.max(1)).max(R).next_multiple_of(R);
         let yp = SyncPtr(y.as_mut_ptr());
-        (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+        crate::team::par_for(rows.div_ceil(chunk), |ci| {
             let end = ((ci + 1) * chunk).min(rows);
             let mut s0 = ci * chunk;
             while s0 < end {
