@@ -309,6 +309,7 @@ fn stream(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, rows: std::o
 /// AVX2 and FMA must be available; `x` is `[n, inner]`, `w` `[inner, out]`, `acc` `[n, out]`,
 /// `rows` within `0..inner`.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // `r` is the weight row: it indexes `xv` and offsets `wp`
 #[target_feature(enable = "avx2,fma")]
 unsafe fn stream_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, rows: std::ops::Range<usize>, acc: &mut [f32]) {
     use std::arch::x86_64::*;

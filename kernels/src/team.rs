@@ -184,7 +184,7 @@ pub fn with_team<R>(f: impl FnOnce() -> R) -> R {
 pub fn par_for(tasks: usize, f: impl Fn(usize) + Sync) {
     let team = TEAM.with(Cell::get);
     if team.is_null() || tasks > MAX_TASKS {
-        (0..tasks).into_par_iter().for_each(|i| f(i));
+        (0..tasks).into_par_iter().for_each(&f);
         return;
     }
     if tasks <= 1 {

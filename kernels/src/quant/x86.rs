@@ -610,15 +610,7 @@ pub(super) unsafe fn q6k_sub_codes(blk: *const u8, k: usize) -> (__m256i, f32, f
         let ql = _mm256_loadu_si256(blk.add(64 * h + 32 * (g % 2)) as *const __m256i);
         let ql = if g < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
         let lo = _mm256_and_si256(ql, _mm256_set1_epi8(0x0F));
-        let qh = _mm256_loadu_si256(blk.add(Q6K_QH + 32 * h) as *const __m256i);
-        // Bits 2g, 2g + 1 of every byte moved to bits 4, 5 (16-bit shifts, then a byte mask).
-        let hi = match g {
-            0 => _mm256_slli_epi16(qh, 4),
-            1 => _mm256_slli_epi16(qh, 2),
-            2 => qh,
-            _ => _mm256_srli_epi16(qh, 2),
-        };
-        let hi = _mm256_and_si256(hi, _mm256_set1_epi8(0x30));
+        let hi = q6k_high_bits(_mm256_loadu_si256(blk.add(Q6K_QH + 32 * h) as *const __m256i), g);
         let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
         let d = f16_at(blk.add(Q6K_D));
         let s = blk.add(Q6K_SCALES + 8 * h + 2 * g) as *const i8;
