@@ -15,8 +15,21 @@ use deco_kernels::quant::{BlockType, Isa, PackedMatrix, q8_available};
 
 fn matrix(ty: BlockType, rows: usize, cols: usize, seed: u8) -> PackedMatrix {
     let bb = ty.block_bytes();
-    let mut data = vec![0u8; rows * cols / 32 * bb];
+    let mut data = vec![0u8; rows * cols / ty.block_len() * bb];
     for (i, blk) in data.chunks_exact_mut(bb).enumerate() {
+        if matches!(ty, BlockType::Q4_K | BlockType::Q6_K) {
+            // Pseudo-random codes and scales; finite f16 super-block scales (d, dmin of Q4_K at
+            // 0..4; d of Q6_K at 208).
+            for (j, q) in blk.iter_mut().enumerate() {
+                *q = (i as u8).wrapping_mul(31).wrapping_add(j as u8).wrapping_mul(seed | 1);
+            }
+            let at = if ty == BlockType::Q4_K { 0 } else { 208 };
+            blk[at..at + 2].copy_from_slice(&0x2000u16.to_le_bytes());
+            if ty == BlockType::Q4_K {
+                blk[2..4].copy_from_slice(&0x2000u16.to_le_bytes());
+            }
+            continue;
+        }
         // Scale 2^-7 (f16 0x2000), min -2^-4 (0xAC00), pseudo-random quants.
         blk[0..2].copy_from_slice(&0x2000u16.to_le_bytes());
         let q0 = if ty == BlockType::Q4_1 {
@@ -53,7 +66,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let keep = |name: String| args.is_empty() || args.contains(&name);
     let any_isa = args.iter().all(|a| !a.starts_with("Avx") && a != "Scalar" && a != "Q8act");
-    let any_ty = args.iter().all(|a| !a.starts_with('Q') || a == "Q8act");
+    let any_ty = args.iter().all(|a| (!a.starts_with('Q') || a == "Q8act") && a != "kquant");
     for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0] {
         if !any_ty && !keep(format!("{ty:?}")) {
             continue;
@@ -109,6 +122,41 @@ fn main() {
                 bytes as f64 / s / 1e9,
                 1.0 / s
             );
+        }
+    }
+    // Qwen2.5-Coder-1.5B Q4_K_M decode: 28 layers of distinct k-quant matrices (q/k/v, o,
+    // gate/up Q4_K; down Q6_K), 8-bit activations, one token: ~830 MB streamed per pass.
+    if q8_available() && (args.is_empty() || args.iter().any(|a| a == "kquant")) {
+        let layers: Vec<[PackedMatrix; 4]> = (0..28u8)
+            .map(|l| {
+                [
+                    matrix(BlockType::Q4_K, 2048, 1536, l),
+                    matrix(BlockType::Q4_K, 1536, 1536, l),
+                    matrix(BlockType::Q4_K, 17920, 1536, l),
+                    matrix(BlockType::Q6_K, 1536, 8960, l),
+                ]
+            })
+            .collect();
+        let bytes: usize = layers.iter().flatten().map(|m| m.as_bytes().len()).sum();
+        let x: Vec<f32> = (0..8960).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let mut y = vec![0.0f32; 17920];
+        for (what, pick) in [("all", [true; 4]), ("Q4_K only", [true, true, true, false]), ("Q6_K only", [false, false, false, true])] {
+            let b: usize = layers.iter().flat_map(|l| l.iter().zip(pick).filter(|(_, p)| *p).map(|(m, _)| m.as_bytes().len())).sum();
+            let s = time(10, || {
+                for l in &layers {
+                    for (m, _) in l.iter().zip(pick).filter(|(_, p)| *p) {
+                        m.matmul_q8(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul_q8");
+                    }
+                }
+            });
+            println!("Qwen-1.5B layers ({what}), 1 token, Q8act: {:.2} ms, {:.1} MB, {:.1} GB/s", s * 1e3, b as f64 / 1e6, b as f64 / s / 1e9);
+        }
+        let _ = bytes;
+        // The same kernels on one layer's matrices only (hot in L2/L3): the compute limit.
+        let l = &layers[0];
+        for m in l {
+            let s = time(50, || m.matmul_q8(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul_q8"));
+            println!("{:?} {}x{} hot, 1 token, Q8act: {:.1} us, {:.1} GB/s", m.ty(), m.rows(), m.cols(), s * 1e6, m.as_bytes().len() as f64 / s / 1e9);
         }
     }
     // The dequantize + gemm alternative for prefill.

@@ -85,10 +85,23 @@ macro_rules! q8_rows8_k_body {
             unsafe {
                 let blk = $rows.add(sb * bb);
                 // The next 8 rows (contiguous after these when `row_bytes` is the row size): one
-                // super-block's share of their bytes per super-block of these.
+                // super-block's share of their bytes per super-block of these. With one token
+                // (decode: DRAM-bound) into L2 (`T1`): a k-quant row group is 7-60 KB
+                // (Qwen2.5-1.5B's Q4_K projections, its Q6_K `ffn_down`), and pulled a whole
+                // group ahead into L1 it evicted the lines in use. On the AMD EPYC (Zen 4) of
+                // 2026-12-06, `quant_matmul kquant` (Qwen-1.5B's 28 layers, one token, 2
+                // threads, three runs each): 51-60 ms with `T0`, 34-40 ms with `T1`. With more
+                // tokens (compute-bound, each row group reused by every token tile) into L1
+                // (`T0`), which kept Qwen-1.5B's prefill ~8 % faster there. The smaller-block
+                // kernels (`q8_rows8`) keep `T0`, which measured better for SmolLM2's Q4_1 /
+                // Q8_0 rows of 0.4-1.6 KB.
                 let ahead = $rows.add(8 * $rb + sb * 8 * bb);
                 for l in (0..8 * bb).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8);
+                    if $t == 1 {
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(l) as *const i8);
+                    } else {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8);
+                    }
                 }
                 // One token's contribution of sub-block `s` (codes `w`, lane scales `dlo` for
                 // weights 0..16 and `dhi` for 16..32, or for Q4_K `dlo` = d·sc and `dhi` = dmin·m).
