@@ -4,11 +4,18 @@
 //! AVX-512 CPU, for an A/B of the same binary.
 //!
 //! `cargo run --release -p deco-kernels --example dense_bench -- [tokens]`
+//!
+//! With 1-4 tokens, the decode (streaming) path instead: SmolLM2-135M's 30 layers of distinct
+//! f32 weights and its 49,152-row LM head, the GB/s of weights read per pass (DRAM-bound).
 
 use std::time::Instant;
 
 fn main() {
     let n: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(512);
+    if n <= deco_kernels::dense::SMALL_N {
+        decode(n);
+        return;
+    }
     println!("isa {:?}, {} threads, {n} tokens", deco_kernels::quant::Isa::detect(), rayon::current_num_threads());
     for (inner, out, what) in [(576, 576, "q/o"), (576, 192, "k/v"), (576, 1536, "gate/up"), (1536, 576, "down")] {
         let x: Vec<f32> = (0..n * inner).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
@@ -42,4 +49,39 @@ fn main() {
         let med = times[times.len() / 2];
         println!("gram     {n:5} x {cols:5}: {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, (n * cols * cols) as f64 / med * 1e-9);
     }
+}
+
+/// SmolLM2-135M F32 decode: 30 layers of distinct `[inner, out]` weights (q/k/v fused, o,
+/// gate/up fused, down) plus the LM head, `n` tokens, median of 9 passes.
+fn decode(n: usize) {
+    let shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)];
+    let layers: Vec<Vec<Vec<f32>>> = (0..30)
+        .map(|l| shapes.iter().map(|&(i, o)| (0..i * o).map(|k| ((k * 7919 + l) % 1000) as f32 * 1e-3 - 0.5).collect()).collect())
+        .collect();
+    let head: Vec<f32> = (0..576 * 49_152).map(|k| ((k * 104_729) % 1000) as f32 * 1e-3 - 0.5).collect();
+    let x: Vec<f32> = (0..n * 1536).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+    let mut y = vec![0.0f32; n * 49_152];
+    let layer_bytes: usize = layers.iter().flatten().map(|w| w.len() * 4).sum();
+    let mut run = |what: &str, bytes: usize, f: &mut dyn FnMut(&mut [f32])| {
+        let mut times = Vec::new();
+        for r in 0..11 {
+            let t = Instant::now();
+            f(&mut y);
+            if r >= 2 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let med = times[times.len() / 2];
+        println!("decode {what:12} {n} token(s): {:7.3} ms  {:6.1} GB/s", med * 1e3, bytes as f64 / med * 1e-9);
+    };
+    println!("isa {:?}, {} threads", deco_kernels::quant::Isa::detect(), rayon::current_num_threads());
+    run("30 layers", layer_bytes, &mut |y| {
+        for l in &layers {
+            for (w, &(i, o)) in l.iter().zip(&shapes) {
+                deco_kernels::dense::matmul(&x[..n * i], n, w, i, o, &mut y[..n * o]).expect("matmul");
+            }
+        }
+    });
+    run("LM head", head.len() * 4, &mut |y| deco_kernels::dense::matmul(&x[..n * 576], n, &head, 576, 49_152, y).expect("matmul"));
 }

@@ -206,11 +206,16 @@ pub const GEMM_TILE_ROWS: usize = 64;
 const TILE_R: usize = 4;
 #[cfg(target_arch = "x86_64")]
 const TILE_T: usize = 4;
+/// Tokens per pass of the 8-bit-activation VNNI kernels: 8 (each row group's codes, transposed
+/// once per block, feed 8 tokens; the 32 vector registers of AVX-512 hold the 8 accumulators,
+/// the 8 code vectors and the temporaries). The AVX2 kernels (16 registers) take [`TILE_T`].
+#[cfg(target_arch = "x86_64")]
+const TILE_T_VNNI: usize = 8;
 
 /// A smaller tile's results in the top-left corner of a full tile.
 #[cfg(target_arch = "x86_64")]
-fn widen<const R: usize, const T: usize, const RO: usize>(o: [[f32; T]; R]) -> [[f32; TILE_T]; RO] {
-    let mut out = [[0.0f32; TILE_T]; RO];
+fn widen<const R: usize, const T: usize, const RO: usize, const TO: usize>(o: [[f32; T]; R]) -> [[f32; TO]; RO] {
+    let mut out = [[0.0f32; TO]; RO];
     for (dst, src) in out.iter_mut().zip(o) {
         dst[..T].copy_from_slice(&src);
     }
@@ -476,10 +481,7 @@ impl QuantizedActivations {
         // Blocks are independent: a long prompt is quantized in parallel pieces of whole
         // blocks (the same values as in one piece).
         const PIECE: usize = 64 * 1024;
-        let pb = PIECE / BLOCK;
-        let Self { codes, scales, sums, isums, isums_lo } = &mut q;
-        type Piece<'a> = (((((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]), &'a mut [i32]), &'a mut [i32]);
-        let run = |(((((xp, c), sc), su), is), il): Piece<'_>| {
+        let run = |xp: &[f32], c: &mut [i8], sc: &mut [f32], su: &mut [f32], is: &mut [i32], il: &mut [i32]| {
             #[cfg(target_arch = "x86_64")]
             if Isa::detect() != Isa::Scalar {
                 // SAFETY: AVX2 and FMA were detected (`Isa::detect` is not Scalar).
@@ -489,15 +491,34 @@ impl QuantizedActivations {
             quantize_blocks(xp, c, sc, su, is, il);
         };
         if x.len() > PIECE {
-            x.par_chunks(PIECE)
-                .zip(codes.par_chunks_mut(PIECE))
-                .zip(scales.par_chunks_mut(pb))
-                .zip(sums.par_chunks_mut(pb))
-                .zip(isums.par_chunks_mut(pb))
-                .zip(isums_lo.par_chunks_mut(pb))
-                .for_each(run);
+            // On the forward pass's spinning team (`team::par_for`): a rayon `par_chunks` here
+            // ran serially, the team's other threads being busy polling it.
+            let (cp, scp, sup, isp, ilp) = (
+                SyncPtr(q.codes.as_mut_ptr().cast::<f32>()),
+                SyncPtr(q.scales.as_mut_ptr()),
+                SyncPtr(q.sums.as_mut_ptr()),
+                SyncPtr(q.isums.as_mut_ptr().cast::<f32>()),
+                SyncPtr(q.isums_lo.as_mut_ptr().cast::<f32>()),
+            );
+            crate::team::par_for(x.len().div_ceil(PIECE), |p| {
+                let (v0, v1) = (p * PIECE, ((p + 1) * PIECE).min(x.len()));
+                let (b0, b1) = (v0 / BLOCK, v1 / BLOCK);
+                // SAFETY: piece p owns values v0 .. v1 of `codes` and blocks b0 .. b1 of the
+                // per-block vectors, disjoint from every other piece's; `q` outlives the call.
+                unsafe {
+                    run(
+                        &x[v0..v1],
+                        std::slice::from_raw_parts_mut(cp.get().cast::<i8>().add(v0), v1 - v0),
+                        std::slice::from_raw_parts_mut(scp.get().add(b0), b1 - b0),
+                        std::slice::from_raw_parts_mut(sup.get().add(b0), b1 - b0),
+                        std::slice::from_raw_parts_mut(isp.get().cast::<i32>().add(b0), b1 - b0),
+                        std::slice::from_raw_parts_mut(ilp.get().cast::<i32>().add(b0), b1 - b0),
+                    )
+                };
+            });
         } else {
-            run((((((x, &mut codes[..]), &mut scales[..]), &mut sums[..]), &mut isums[..]), &mut isums_lo[..]));
+            let Self { codes, scales, sums, isums, isums_lo } = &mut q;
+            run(x, codes, scales, sums, isums, isums_lo);
         }
         Ok(q)
     }
@@ -729,10 +750,10 @@ impl PackedMatrix {
 
     /// [`PackedMatrix::matmul_q8`] on an explicit instruction set:
     /// - [`Isa::Avx512`] (needs AVX-512 VNNI): `vpdpbusd`, every block type 8 rows at a time
-    ///   (one row per 32-bit lane) and up to 4 tokens per pass over the rows;
+    ///   (one row per 32-bit lane) and up to 8 tokens per pass over the rows;
     /// - [`Isa::Avx2`]: `vpmaddubsw` + `vpmaddwd` (ggml's AVX2 `mul_sum_us8_pairs_float`), the
     ///   same row groups; the same integer block sums and float operations as the VNNI kernels,
-    ///   so the same bits.
+    ///   so the same bits (4 tokens per pass: 16 vector registers).
     ///
     /// # Errors
     /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] for
@@ -912,7 +933,7 @@ impl PackedMatrix {
     fn matmul_tiled_512(&self, x: &[f32], n: usize, y: &mut [f32]) {
         let (cols, ty) = (self.cols, self.ty);
         let nb = cols / BLOCK;
-        self.tiled::<TILE_R, _>(n, cols * n, y, |t, wp, rk, tk| {
+        self.tiled::<TILE_R, TILE_T, _>(n, cols * n, y, |t, wp, rk, tk| {
             let xp = x[t * cols..].as_ptr();
             // SAFETY: AVX-512 F/BW/VL, AVX2, FMA and F16C were detected (the caller checked
             // `Isa::Avx512.is_available()`); `tiled` passes rows that exist (each `row_bytes` of
@@ -943,53 +964,79 @@ impl PackedMatrix {
         let rb = self.row_bytes();
         let kquant = matches!(ty, BlockType::Q4_K | BlockType::Q6_K);
         // Integer products over 8 rows at once are ~4× cheaper than the f32 tile.
-        self.tiled::<8, _>(n, cols * n / 4, y, |t, wp, rk, tk| {
-            let (xq, xd, xs, xi, xl) = (
-                qa.codes[t * cols..].as_ptr(),
-                qa.scales[t * nb..].as_ptr(),
-                qa.sums[t * nb..].as_ptr(),
-                qa.isums[t * nb..].as_ptr(),
-                qa.isums_lo[t * nb..].as_ptr(),
-            );
-            // A lone leftover row goes through the same 8-lane code with all lanes on it
-            // (row stride 0), so its result has the same bits as inside a group of 8.
-            let stride_rows = if rk == 8 { rb } else { 0 };
-            macro_rules! call {
-                ($t:expr) => {
-                    match (vnni, kquant) {
-                        (true, false) => x86_512::q8_rows8::<{ $t }>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
-                        (true, true) => x86_512::q8_rows8_k::<{ $t }>(ty, wp, stride_rows, nb, xq, xd, xs, xi, xl, cols),
-                        (false, false) => x86::q8_rows8::<{ $t }>(ty, wp, stride_rows, nb, xq, xd, xs, xi, cols),
-                        (false, true) => x86::q8_rows8_k::<{ $t }>(ty, wp, stride_rows, nb, xq, xd, xs, xi, xl, cols),
-                    }
-                };
-            }
-            // SAFETY: AVX2, FMA and F16C, and with `vnni` AVX-512 F/BW/VL/VNNI, were detected
-            // (`matmul_q8_with` checked `q8_isa()`); `tiled` passes `rk` rows that exist (`nb`
-            // blocks, or `nb / 8` super-blocks, each, `stride_rows` apart) and tokens t .. t + tk
-            // that exist in `qa`.
-            unsafe {
-                match tk {
-                    TILE_T => call!(TILE_T),
-                    3 => widen(call!(3)),
-                    2 => widen(call!(2)),
-                    _ => widen(call!(1)),
+        let cost = cols * n / 4;
+        // Row group `wp` (`rk` rows: 8, or 1 computed in all lanes with row stride 0, so that
+        // its result has the same bits as inside a group of 8) with `T` tokens from `t`.
+        macro_rules! call {
+            ($t:expr, $tok:expr, $wp:expr, $rk:expr) => {{
+                let t = $tok;
+                let (xq, xd, xs, xi, xl) = (
+                    qa.codes[t * cols..].as_ptr(),
+                    qa.scales[t * nb..].as_ptr(),
+                    qa.sums[t * nb..].as_ptr(),
+                    qa.isums[t * nb..].as_ptr(),
+                    qa.isums_lo[t * nb..].as_ptr(),
+                );
+                let stride_rows = if $rk == 8 { rb } else { 0 };
+                match (vnni, kquant) {
+                    (true, false) => x86_512::q8_rows8::<{ $t }>(ty, $wp, stride_rows, nb, xq, xd, xs, xi, cols),
+                    (true, true) => x86_512::q8_rows8_k::<{ $t }>(ty, $wp, stride_rows, nb, xq, xd, xs, xi, xl, cols),
+                    (false, false) => x86::q8_rows8::<{ $t }>(ty, $wp, stride_rows, nb, xq, xd, xs, xi, cols),
+                    (false, true) => x86::q8_rows8_k::<{ $t }>(ty, $wp, stride_rows, nb, xq, xd, xs, xi, xl, cols),
                 }
-            }
-        });
+            }};
+        }
+        // SAFETY (both closures): AVX2, FMA and F16C, and with `vnni` AVX-512 F/BW/VL/VNNI, were
+        // detected (`matmul_q8_with` checked `q8_isa()`); `tiled` passes `rk` rows that exist
+        // (`nb` blocks, or `nb / 8` super-blocks, each, `rb` apart) and tokens t .. t + tk that
+        // exist in `qa`. Per (row, token) the kernels' float operations do not depend on `T`,
+        // so splitting a tile's tokens does not change any result.
+        if vnni {
+            self.tiled::<8, TILE_T_VNNI, _>(n, cost, y, |t, wp, rk, tk| unsafe {
+                match tk {
+                    TILE_T_VNNI => call!(TILE_T_VNNI, t, wp, rk),
+                    4 => widen(call!(4, t, wp, rk)),
+                    3 => widen(call!(3, t, wp, rk)),
+                    2 => widen(call!(2, t, wp, rk)),
+                    1 => widen(call!(1, t, wp, rk)),
+                    _ => {
+                        // 5-7 leftover tokens: 4, then the rest.
+                        let mut out: [[f32; TILE_T_VNNI]; 8] = widen(call!(4, t, wp, rk));
+                        let rest: [[f32; TILE_T]; 8] = match tk - 4 {
+                            3 => widen(call!(3, t + 4, wp, rk)),
+                            2 => widen(call!(2, t + 4, wp, rk)),
+                            _ => widen(call!(1, t + 4, wp, rk)),
+                        };
+                        for (o, r) in out.iter_mut().zip(rest) {
+                            o[4..tk].copy_from_slice(&r[..tk - 4]);
+                        }
+                        out
+                    }
+                }
+            });
+        } else {
+            self.tiled::<8, TILE_T, _>(n, cost, y, |t, wp, rk, tk| unsafe {
+                match tk {
+                    TILE_T => call!(TILE_T, t, wp, rk),
+                    3 => widen(call!(3, t, wp, rk)),
+                    2 => widen(call!(2, t, wp, rk)),
+                    _ => widen(call!(1, t, wp, rk)),
+                }
+            });
+        }
     }
 
     /// The loop structure shared by the AVX-512 kernels: rayon over row chunks (sized from
     /// `cost` as [`PackedMatrix::chunk_rows`]); inside a chunk, sub-chunks of ~32 KiB of packed
-    /// rows stay in L1/L2 while every group of `TILE_T` tokens passes over them in register tiles
+    /// rows stay in L1/L2 while every group of `T` tokens passes over them in register tiles
     /// of `R` rows (leftover rows one at a time, and leftover tokens in narrower tiles, with the
     /// same per-element arithmetic). `tile(t, rows_ptr, rk, tk)` returns the `rk × tk` dot
     /// products of rows starting at `rows_ptr` with tokens `t ..` (`rk` is `R` or 1); they are
     /// written to `y[n, rows]`.
     #[cfg(target_arch = "x86_64")]
-    fn tiled<const R: usize, F>(&self, n: usize, cost: usize, y: &mut [f32], tile: F)
+    fn tiled<const R: usize, const T: usize, F>(&self, n: usize, cost: usize, y: &mut [f32], tile: F)
     where
-        F: Fn(usize, *const u8, usize, usize) -> [[f32; TILE_T]; R] + Sync,
+        F: Fn(usize, *const u8, usize, usize) -> [[f32; T]; R] + Sync,
     {
         const SUB_BYTES: usize = 32 * 1024;
         let rows = self.rows;
@@ -1006,7 +1053,7 @@ impl PackedMatrix {
                 while t < n {
                     // Leftover tokens (2 or 3: a speculative or tree verification) share one
                     // tile too, so that each row is unpacked once for them.
-                    let tk = (n - t).min(TILE_T);
+                    let tk = (n - t).min(T);
                     let mut r = s0;
                     while r < s1 {
                         let rk = if s1 - r >= R { R } else { 1 };
