@@ -524,15 +524,68 @@ impl QuantizedActivations {
     }
 }
 
-/// [`quantize_blocks`] compiled for AVX2 (`round_ties_even` becomes one `vroundps` instead of a
-/// libm call, the loops vectorize); the same IEEE operations, so the same codes and scales.
+/// [`quantize_blocks`] with AVX2, written out with intrinsics (the compiler did not vectorize
+/// the scalar loop's max and finiteness scans: ~1 ns per value, 6 % of a Q8_0 prefill): per block
+/// the `|x|` maximum (exact in any order for finite values), the non-finite test on the exponent
+/// bits, `x · (1/d)` rounded to nearest-even (`vroundps`), clamped, converted and packed to
+/// bytes, and the exact integer sums; a block with a non-finite value gets NaN scale and sum.
+/// The same IEEE operations as [`quantize_blocks`], so the same codes and scales (unit test
+/// `avx2_quantizer_equals_scalar`).
 ///
 /// # Safety
 /// AVX2 and FMA must be available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quantize_blocks_avx2(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [f32], isums: &mut [i32], isums_lo: &mut [i32]) {
-    quantize_blocks(x, codes, scales, sums, isums, isums_lo);
+    use std::arch::x86_64::*;
+    debug_assert!(x.len() == codes.len() && x.len() == scales.len() * BLOCK);
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let exp_mask = _mm256_set1_epi32(0x7f80_0000);
+    let hi = _mm256_set1_ps(127.0);
+    let lo = _mm256_set1_ps(-127.0);
+    // vpackssdw / vpacksswb interleave the 128-bit lanes; this puts the 8 dwords back in order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let hsum = |v: __m256i| -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    };
+    for b in 0..scales.len() {
+        // SAFETY: block b's 32 values and codes are in bounds (the lengths above).
+        unsafe {
+            let xp = x.as_ptr().add(b * BLOCK);
+            let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xp.add(8 * k)));
+            let a = v.map(|v| _mm256_and_ps(v, abs_mask));
+            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let e = v.map(|v| _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exp_mask), exp_mask));
+            let bad = _mm256_or_si256(_mm256_or_si256(e[0], e[1]), _mm256_or_si256(e[2], e[3]));
+            if _mm256_movemask_epi8(bad) != 0 {
+                scales[b] = f32::NAN;
+                sums[b] = f32::NAN;
+                continue;
+            }
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let q = v.map(|v| {
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v, id));
+                _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+            });
+            let p16a = _mm256_packs_epi32(q[0], q[1]);
+            let p16b = _mm256_packs_epi32(q[2], q[3]);
+            let p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+            _mm256_storeu_si256(codes.as_mut_ptr().add(b * BLOCK).cast(), p8);
+            let first = hsum(_mm256_add_epi32(q[0], q[1]));
+            let sum = first + hsum(_mm256_add_epi32(q[2], q[3]));
+            scales[b] = d;
+            sums[b] = d * sum as f32;
+            isums[b] = sum;
+            isums_lo[b] = first;
+        }
+    }
 }
 
 /// Quantizes `x` block by block into `codes` (as long as `x`) and the per-block `scales`,
@@ -1121,5 +1174,57 @@ impl PackedMatrix {
                 }
             },
         );
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// The AVX2 activation quantizer gives the scalar one's codes, scales and sums, bit for
+    /// bit: random blocks of several magnitudes, an all-zero block, exact ties (`x · (1/d)` at
+    /// `k + 0.5`), a block with a NaN and one with an infinity, and negative zeros.
+    #[test]
+    fn avx2_quantizer_equals_scalar() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return;
+        }
+        let mut x = Vec::new();
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for blk in 0..200 {
+            let mag = [1e-6f32, 0.01, 1.0, 37.0, 1e4][blk % 5];
+            for _ in 0..BLOCK {
+                state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                x.push(((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * mag);
+            }
+        }
+        x.extend([0.0f32; BLOCK]);
+        // amax 127 (d = 1): every x·(1/d) below is a tie or an integer.
+        x.extend((0..BLOCK).map(|i| if i == 0 { 127.0 } else { i as f32 - 16.5 }));
+        x.extend((0..BLOCK).map(|i| if i == 3 { f32::NAN } else { i as f32 }));
+        x.extend((0..BLOCK).map(|i| if i == 31 { f32::NEG_INFINITY } else { 1.0 }));
+        x.extend((0..BLOCK).map(|i| if i % 2 == 0 { -0.0 } else { 1e-3 }));
+        let nb = x.len() / BLOCK;
+        let run = |avx2: bool| {
+            let (mut c, mut sc, mut su, mut is, mut il) = (vec![0i8; x.len()], vec![0.0f32; nb], vec![0.0f32; nb], vec![0i32; nb], vec![0i32; nb]);
+            if avx2 {
+                // SAFETY: AVX2 and FMA were detected above.
+                unsafe { quantize_blocks_avx2(&x, &mut c, &mut sc, &mut su, &mut is, &mut il) };
+            } else {
+                quantize_blocks(&x, &mut c, &mut sc, &mut su, &mut is, &mut il);
+            }
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            (c, bits(&sc), bits(&su), is, il)
+        };
+        let (a, s) = (run(true), run(false));
+        for b in 0..nb {
+            let r = b * BLOCK..(b + 1) * BLOCK;
+            if s.1[b] != f32::NAN.to_bits() {
+                assert_eq!(a.0[r.clone()], s.0[r], "block {b} codes");
+                assert_eq!((a.3[b], a.4[b]), (s.3[b], s.4[b]), "block {b} integer sums");
+            }
+            assert_eq!((a.1[b], a.2[b]), (s.1[b], s.2[b]), "block {b} scale and sum");
+        }
+        assert!(f32::from_bits(a.1[nb - 3]).is_nan() && f32::from_bits(a.1[nb - 2]).is_nan());
     }
 }
