@@ -344,12 +344,8 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     let mut save = |step: usize, h: &HostHeads| -> deco_autodeco::Result<()> {
         let csv = log_csv(&log_cell.borrow());
         h.save_with(&out.join(format!("checkpoint-{step:06}")), &[("loss.csv", csv.as_bytes())])?;
-        // Keep the last two checkpoints.
-        if let Ok(all) = crate::runtime::checkpoints(&out) {
-            for (_, old) in all.iter().rev().skip(2) {
-                let _ = std::fs::remove_dir_all(old);
-            }
-        }
+        // Keep the last two checkpoints (older ones discarded crash-safely).
+        crate::runtime::prune_checkpoints(&out, 2);
         Ok(())
     };
     let (heads, _) = train_from(&cfg, &tc, &train_pool, &held_pool, &head, resume, a.checkpoint_every, &mut progress, &mut save)?;

@@ -216,15 +216,11 @@ pub fn run(args: &DistillArgs) -> Result<()> {
         let dir = out.join(format!("checkpoint-{step:06}"));
         let tensor = |n: &str| m.get(n).cloned().ok_or_else(|| deco_model::Error::InvalidInput(format!("missing `{n}`")));
         if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(|source| deco_compress::Error::Io { path: dir.clone(), source })?;
+            crate::runtime::discard_dir(&dir).map_err(|source| deco_compress::Error::Io { path: dir.clone(), source })?;
         }
         write_dense_dir(&sckpt, &tok, &cfg, &tensor, &dir, ExportDtype::F32)?;
-        // Keep the last two checkpoints.
-        if let Ok(all) = crate::runtime::checkpoints(&out) {
-            for (_, old) in all.iter().rev().skip(2) {
-                let _ = std::fs::remove_dir_all(old);
-            }
-        }
+        // Keep the last two checkpoints (older ones discarded crash-safely).
+        crate::runtime::prune_checkpoints(&out, 2);
         Ok(())
     };
     distill(student, &cfg, &teacher, &data, &dc, start_step, args.checkpoint_every, &mut progress, &mut save)?;

@@ -342,14 +342,11 @@ fn train(args: &TrainArgs) -> Result<()> {
         let host = HostAdapters::from_module(a, &cfg, &lc)?;
         let dir = out.join(format!("checkpoint-{step:06}"));
         if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(|source| deco_compress::Error::Io { path: dir.clone(), source })?;
+            crate::runtime::discard_dir(&dir).map_err(|source| deco_compress::Error::Io { path: dir.clone(), source })?;
         }
         host.save(&dir, &model_name, &meta(step))?;
-        if let Ok(all) = crate::runtime::checkpoints(&out) {
-            for (_, old) in all.iter().rev().skip(2) {
-                let _ = std::fs::remove_dir_all(old);
-            }
-        }
+        // Keep the last two checkpoints (older ones discarded crash-safely).
+        crate::runtime::prune_checkpoints(&out, 2);
         Ok(())
     };
     train_lora(&base, adapters, &cfg, &lc, &seqs, pad, &tc, start_step, args.checkpoint_every, &mut progress, &mut save)?;

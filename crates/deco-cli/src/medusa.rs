@@ -341,12 +341,8 @@ fn run_train(a: &TrainArgs) -> Result<()> {
     let mut save = |step: usize, blocks: &[medusa::ResBlockWeights]| -> deco_autodeco::Result<()> {
         let csv = medusa::log_csv(&log_cell.borrow(), config.medusa_num_heads);
         medusa::save_blocks(&out.join(format!("checkpoint-{step:06}")), &config, blocks, &[("loss.csv", csv.as_bytes())])?;
-        // Keep the last two checkpoints.
-        if let Ok(all) = crate::runtime::checkpoints(&out) {
-            for (_, old) in all.iter().rev().skip(2) {
-                let _ = std::fs::remove_dir_all(old);
-            }
-        }
+        // Keep the last two checkpoints (older ones discarded crash-safely).
+        crate::runtime::prune_checkpoints(&out, 2);
         Ok(())
     };
     let (blocks, _) = medusa::train_from(&config, &tc, &train_pool, &held_pool, &lm_head, model.device(), resume, a.checkpoint_every, &mut progress, &mut save)?;

@@ -110,6 +110,47 @@ pub fn data_file(model: &Path, rel: &str, hint: &str) -> Result<PathBuf> {
         .with_context(|| format!("data file {rel} not found (looked in {c:?}); run `cargo xtask fetch` or pass {hint}"))
 }
 
+/// Prefix of a directory being discarded by [`discard_dir`] (hidden, so that no listing of
+/// checkpoints or outputs sees it).
+const DISCARD_PREFIX: &str = ".discard-";
+
+/// Removes the directory `dir` crash-safely: first renamed to a hidden sibling
+/// (`.discard-NAME`, one atomic step), then deleted. A process killed while deleting leaves only
+/// that hidden directory, never a half-deleted one under `dir`'s name (a training checkpoint
+/// missing its weights file, found by the crash-safety test of `deco medusa train`); the next
+/// [`prune_checkpoints`] deletes such leftovers.
+///
+/// # Errors
+/// The rename's or the deletion's I/O error.
+pub fn discard_dir(dir: &Path) -> std::io::Result<()> {
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let hidden = dir.with_file_name(format!("{DISCARD_PREFIX}{name}"));
+    if hidden.exists() {
+        std::fs::remove_dir_all(&hidden)?;
+    }
+    std::fs::rename(dir, &hidden)?;
+    std::fs::remove_dir_all(&hidden)
+}
+
+/// Keeps the newest `keep` training checkpoints of `out` ([`checkpoints`]) and discards the
+/// others with [`discard_dir`], then deletes hidden leftovers of discards a killed run did not
+/// finish. Best effort: a failure leaves an extra checkpoint or leftover behind, nothing
+/// incomplete under a checkpoint's name.
+pub fn prune_checkpoints(out: &Path, keep: usize) {
+    if let Ok(all) = checkpoints(out) {
+        for (_, old) in all.iter().rev().skip(keep) {
+            let _ = discard_dir(old);
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(out) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(DISCARD_PREFIX) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
 /// Training checkpoints `out/checkpoint-NNNNNN` (`deco distill`, `deco autodeco train`) as
 /// `(step, path)`, ascending.
 ///
