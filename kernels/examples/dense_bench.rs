@@ -52,7 +52,8 @@ fn main() {
 }
 
 /// SmolLM2-135M F32 decode: 30 layers of distinct `[inner, out]` weights (q/k/v fused, o,
-/// gate/up fused, down) plus the LM head, `n` tokens, median of 9 passes.
+/// gate/up fused, down) plus the LM head, `n` tokens, median of 9 passes, each on the pool's
+/// spinning team (`deco_kernels::team::with_team`) as in a forward pass.
 fn decode(n: usize) {
     let shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)];
     let layers: Vec<Vec<Vec<f32>>> = (0..30)
@@ -66,7 +67,8 @@ fn decode(n: usize) {
         let mut times = Vec::new();
         for r in 0..11 {
             let t = Instant::now();
-            f(&mut y);
+            // On a pool worker with the spinning team, as `Llama::forward` runs its pass.
+            rayon::scope(|_| deco_kernels::team::with_team(|| f(&mut y)));
             if r >= 2 {
                 times.push(t.elapsed().as_secs_f64());
             }
