@@ -63,7 +63,7 @@ fn decode(n: usize) {
     let x: Vec<f32> = (0..n * 1536).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
     let mut y = vec![0.0f32; n * 49_152];
     let layer_bytes: usize = layers.iter().flatten().map(|w| w.len() * 4).sum();
-    let mut run = |what: &str, bytes: usize, f: &mut dyn FnMut(&mut [f32])| {
+    let mut run = |what: &str, bytes: usize, f: &mut (dyn FnMut(&mut [f32]) + Send)| {
         let mut times = Vec::new();
         for r in 0..11 {
             let t = Instant::now();
