@@ -137,7 +137,6 @@ fn main() {
                 ]
             })
             .collect();
-        let bytes: usize = layers.iter().flatten().map(|m| m.as_bytes().len()).sum();
         let x: Vec<f32> = (0..8960).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut y = vec![0.0f32; 17920];
         for (what, pick) in [("all", [true; 4]), ("Q4_K only", [true, true, true, false]), ("Q6_K only", [false, false, false, true])] {
@@ -151,7 +150,6 @@ fn main() {
             });
             println!("Qwen-1.5B layers ({what}), 1 token, Q8act: {:.2} ms, {:.1} MB, {:.1} GB/s", s * 1e3, b as f64 / 1e6, b as f64 / s / 1e9);
         }
-        let _ = bytes;
         // The same kernels on one layer's matrices only (hot in L2/L3): the compute limit.
         let l = &layers[0];
         for m in l {

@@ -494,11 +494,11 @@ impl QuantizedActivations {
             // On the forward pass's spinning team (`team::par_for`): a rayon `par_chunks` here
             // ran serially, the team's other threads being busy polling it.
             let (cp, scp, sup, isp, ilp) = (
-                SyncPtr(q.codes.as_mut_ptr().cast::<f32>()),
+                SyncPtr(q.codes.as_mut_ptr()),
                 SyncPtr(q.scales.as_mut_ptr()),
                 SyncPtr(q.sums.as_mut_ptr()),
-                SyncPtr(q.isums.as_mut_ptr().cast::<f32>()),
-                SyncPtr(q.isums_lo.as_mut_ptr().cast::<f32>()),
+                SyncPtr(q.isums.as_mut_ptr()),
+                SyncPtr(q.isums_lo.as_mut_ptr()),
             );
             crate::team::par_for(x.len().div_ceil(PIECE), |p| {
                 let (v0, v1) = (p * PIECE, ((p + 1) * PIECE).min(x.len()));
@@ -508,11 +508,11 @@ impl QuantizedActivations {
                 unsafe {
                     run(
                         &x[v0..v1],
-                        std::slice::from_raw_parts_mut(cp.get().cast::<i8>().add(v0), v1 - v0),
+                        std::slice::from_raw_parts_mut(cp.get().add(v0), v1 - v0),
                         std::slice::from_raw_parts_mut(scp.get().add(b0), b1 - b0),
                         std::slice::from_raw_parts_mut(sup.get().add(b0), b1 - b0),
-                        std::slice::from_raw_parts_mut(isp.get().cast::<i32>().add(b0), b1 - b0),
-                        std::slice::from_raw_parts_mut(ilp.get().cast::<i32>().add(b0), b1 - b0),
+                        std::slice::from_raw_parts_mut(isp.get().add(b0), b1 - b0),
+                        std::slice::from_raw_parts_mut(ilp.get().add(b0), b1 - b0),
                     )
                 };
             });
@@ -643,15 +643,15 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// A raw pointer that rayon tasks may share to write disjoint elements (also used by
 /// [`crate::dense`]).
 #[derive(Clone, Copy)]
-pub(crate) struct SyncPtr(pub(crate) *mut f32);
+pub(crate) struct SyncPtr<T = f32>(pub(crate) *mut T);
 // SAFETY: every task writes a disjoint set of elements (distinct output columns / rows).
-unsafe impl Send for SyncPtr {}
+unsafe impl<T: Send> Send for SyncPtr<T> {}
 // SAFETY: as above.
-unsafe impl Sync for SyncPtr {}
+unsafe impl<T: Send> Sync for SyncPtr<T> {}
 
-impl SyncPtr {
+impl<T> SyncPtr<T> {
     /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    pub(crate) fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }
