@@ -5,7 +5,14 @@
 //!
 //! ```text
 //! cargo run --release -p deco-kernels --example decode_attention_bench -- [CONTEXT] [BATCHES]
+//! cargo run --release -p deco-kernels --example decode_attention_bench -- stream [CONTEXT] [LAYERS] [BATCH]
 //! ```
+//!
+//! `stream` times the fused kernel alone as a decode step meets it: `LAYERS` (default 30)
+//! layers of `BATCH` (default 1) sequences, each layer with its own cache, run back to back on
+//! the spinning team (`team::with_team`), after a 256 MiB sweep that evicts them from the
+//! caches (in a real step the weights pass through L3 between two visits of a layer's keys and
+//! values). For scale it also times one thread reading the same arrays (an xor of every value).
 
 use std::time::Instant;
 
@@ -18,8 +25,82 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// The `stream` mode (see the module docs): µs per layer, median of 15 steps.
+fn stream(context: usize, layers: usize, batch: usize) {
+    let shape = AttnShape { n_heads: 9, kv_heads: 3, head_dim: 64 };
+    let (bs, row) = (16usize, 3 * 64);
+    let per_seq = context.div_ceil(bs);
+    let nb = batch * per_seq;
+    let mut x = 7u32;
+    let mut rnd = || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        (x as f32 / u32::MAX as f32) - 0.5
+    };
+    let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
+        .map(|_| ((0..nb * bs * row).map(|_| rnd()).collect(), (0..nb * bs * row).map(|_| rnd()).collect()))
+        .collect();
+    // Interleaved block tables (sequence s owns blocks s, s + batch, ...).
+    let tables: Vec<Vec<u32>> = (0..batch).map(|s| (0..per_seq).map(|i| (i * batch + s) as u32).collect()).collect();
+    let q: Vec<f32> = (0..batch * 9 * 64).map(|_| rnd()).collect();
+    let mut out = vec![0.0f32; q.len()];
+    let sweep: Vec<u64> = (0..32u64 << 20).collect();
+    let half = sweep.len() / 2;
+    let sink = std::sync::atomic::AtomicU64::new(0);
+    let add = |x: u64| {
+        sink.fetch_add(x, std::sync::atomic::Ordering::Relaxed);
+    };
+    let (mut times, mut reads) = (Vec::new(), Vec::new());
+    // One team for the whole run, as for a decode step: the sweeps run on it too (both threads
+    // read, as the weights' stream does), so the helper is awake when the attention starts.
+    rayon::scope(|_| {
+        deco_kernels::team::with_team(|| {
+            let sweep_all = || {
+                deco_kernels::team::par_for(2, |i| add(sweep[i * half..(i + 1) * half].iter().fold(0u64, |a, &w| a ^ w)))
+            };
+            for step in 0..16 {
+                // Read-only sweeps (clean lines, as the weights' stream leaves them).
+                sweep_all();
+                let t0 = Instant::now();
+                let sum = kv.iter().fold(0u32, |a, (k, v)| k.iter().chain(v).fold(a, |b, x| b ^ x.to_bits()));
+                let r = t0.elapsed().as_secs_f64() * 1e6 / layers as f64;
+                add(u64::from(sum));
+                sweep_all();
+                let t0 = Instant::now();
+                for (k, v) in &kv {
+                    let seqs: Vec<SeqKv<'_>> =
+                        tables.iter().map(|t| SeqKv { k, v, block_table: t, block_size: bs, len: context }).collect();
+                    paged_decode_attention(&q, shape, &seqs, &mut out).expect("kernel");
+                }
+                let t = t0.elapsed().as_secs_f64() * 1e6 / layers as f64;
+                if step > 0 {
+                    times.push(t);
+                    reads.push(r);
+                }
+            }
+        })
+    });
+    let sink = sink.into_inner();
+    let bytes = (batch * context * row * 2 * 4) as f64;
+    let t = median(&mut times);
+    let r = median(&mut reads);
+    println!(
+        "stream: batch {batch}, context {context}, {layers} layers: {t:.1} µs/layer, {:.1} GB/s of keys and values; a 1-thread xor of the same arrays {r:.1} µs/layer ({:.1} GB/s) [{}]",
+        bytes / t / 1e3,
+        bytes / r / 1e3,
+        sink % 2
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("stream") {
+        let context = args.get(2).map_or(576, |s| s.parse().expect("CONTEXT"));
+        let layers = args.get(3).map_or(30, |s| s.parse().expect("LAYERS"));
+        let batch = args.get(4).map_or(1, |s| s.parse().expect("BATCH"));
+        return stream(context, layers, batch);
+    }
     let context: usize = args.get(1).map_or(512, |s| s.parse().expect("CONTEXT"));
     let batches: Vec<usize> =
         args.get(2).map_or(vec![1, 16, 64], |s| s.split(',').map(|b| b.parse().expect("BATCHES")).collect());

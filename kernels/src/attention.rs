@@ -221,19 +221,25 @@ fn attend_group(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], out: &mut [f32]
         let i0 = t * kv_per_task;
         let si = first.partition_point(|&x| x <= i0) - 1;
         let s = &seqs[si];
-        for (dj, p) in ps.chunks_mut(stride).enumerate() {
-            let (c, j) = ((i0 - first[si]) / kv_heads, (i0 - first[si]) % kv_heads + dj);
-            let pos = c * CHUNK..s.len.min((c + 1) * CHUNK);
-            let qs = &q[(si * n_heads + j * g) * head_dim..][..g * head_dim];
-            let (o, ml) = p.split_at_mut(g * head_dim);
-            let (m, l) = ml.split_at_mut(g);
-            match simd {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `simd` holds only if `isa` (AVX2 / AVX-512, both with AVX2 + FMA) was
-                // confirmed by `is_available` and `head_dim` is a multiple of 8; the bounds of
-                // every row read were checked above.
-                true => unsafe { x86::task(qs, s, j, pos, shape, o, m, l) },
-                _ => scalar_task(qs, s, j, pos, shape, o, m, l),
+        // A task holds `kv_per_task` (1 or all) kv heads of one chunk: partials are sequence-,
+        // then chunk-major.
+        let (c, j0) = ((i0 - first[si]) / kv_heads, (i0 - first[si]) % kv_heads);
+        let kvs = j0..j0 + ps.len() / stride;
+        let pos = c * CHUNK..s.len.min((c + 1) * CHUNK);
+        let qseq = &q[si * n_heads * head_dim..][..n_heads * head_dim];
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `simd` holds only if `isa` (AVX2 / AVX-512, both with AVX2 + FMA) was
+            // confirmed by `is_available` and `head_dim` is a multiple of 8; the bounds of
+            // every row read were checked above.
+            true => unsafe { x86::task(qseq, s, kvs, pos, shape, ps) },
+            _ => {
+                for (j, p) in kvs.zip(ps.chunks_mut(stride)) {
+                    let qs = &qseq[j * g * head_dim..][..g * head_dim];
+                    let (o, ml) = p.split_at_mut(g * head_dim);
+                    let (m, l) = ml.split_at_mut(g);
+                    scalar_task(qs, s, j, pos.clone(), shape, o, m, l);
+                }
             }
         }
     };
@@ -409,100 +415,112 @@ mod x86 {
         }
     }
 
-    /// The AVX2 task: as `super::scalar_task`, for `head_dim` a multiple of 8.
+    /// The AVX2 task: for each kv head `j` of `kvs`, the partial of `super::scalar_task` (the
+    /// unnormalized output `[g, head_dim]`, the maxima `[g]`, the sums `[g]`, in
+    /// `parts[(j − kvs.start) · g · (head_dim + 2)..]`) over positions `pos`, for `head_dim` a
+    /// multiple of 8. The tiles are the outer loop: a tile's key and value rows (the columns of
+    /// all of the task's kv heads) are prefetched together one tile ahead, and each head's
+    /// arithmetic is the same, in the same order, as in a task of that head alone (so which
+    /// task computes a partial does not change its bits).
     ///
     /// # Safety
-    /// AVX2 and FMA must be available; `head_dim % 8 == 0`; the rows of `s` at `pos` must be in
-    /// bounds (checked by the caller); `qs`, `o` hold `g · head_dim` values, `m`, `l` hold `g`.
+    /// AVX2 and FMA must be available; `head_dim % 8 == 0`; `kvs.end <= kv_heads`; the rows of
+    /// `s` at `pos` must be in bounds (checked by the caller); `q` holds `n_heads · head_dim`
+    /// values (this sequence's query), `parts` `kvs.len() · g · (head_dim + 2)`.
     #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn task(
-        qs: &[f32],
-        s: &SeqKv<'_>,
-        kvh: usize,
-        pos: Range<usize>,
-        shape: AttnShape,
-        o: &mut [f32],
-        m: &mut [f32],
-        l: &mut [f32],
-    ) {
-        let AttnShape { kv_heads, head_dim: d, .. } = shape;
+    pub(super) unsafe fn task(q: &[f32], s: &SeqKv<'_>, kvs: Range<usize>, pos: Range<usize>, shape: AttnShape, parts: &mut [f32]) {
+        let AttnShape { n_heads, kv_heads, head_dim: d } = shape;
+        let g = n_heads / kv_heads;
+        let stride = g * (d + 2);
         let row = kv_heads * d;
-        let kvo = kvh * d;
         let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        o.fill(0.0);
+        for p in parts.chunks_mut(stride) {
+            let (o, ml) = p.split_at_mut(g * d);
+            o.fill(0.0);
+            ml[..g].fill(f32::NEG_INFINITY);
+            ml[g..].fill(0.0);
+        }
         let (kp, vp) = (s.k.as_ptr(), s.v.as_ptr());
+        // The task's columns of a row: kv heads `kvs`, `span` floats from `lo`.
+        let (lo, span) = (kvs.start * d, kvs.len() * d);
         let mut offs = [0usize; TILE];
         let mut sc = [0.0f32; TILE];
         let mut p0 = pos.start;
-        // SAFETY (loop body): every key/value row read is `offs[i] .. offs[i] + d` with
-        // `offs[i]` a checked row of this sequence (padding lanes repeat the last real row);
-        // `qs`, `o` are read/written at `h · d .. (h + 1) · d`, h < g.
+        // SAFETY (loop body): every key/value row read is `offs[i] + j · d .. + d` with
+        // `offs[i]` a checked row of this sequence (padding lanes repeat the last real row) and
+        // `j < kv_heads`; `q` is read at `(j · g + h) · d .. + d`, and `parts` written within
+        // partial `j − kvs.start`, h < g.
         unsafe {
             while p0 < pos.end {
                 let t = TILE.min(pos.end - p0);
                 let t8 = t.div_ceil(8) * 8;
                 for (i, off) in offs[..t].iter_mut().enumerate() {
-                    *off = row_offset(s, p0 + i, row) + kvo;
+                    *off = row_offset(s, p0 + i, row);
                 }
                 let last = offs[t - 1];
                 offs[t..t8].fill(last);
-                // The next tile's key and value rows, ahead of use: a sequence's blocks are
-                // scattered, so the hardware prefetcher loses the stream at every block edge,
-                // and a long cache does not fit in L3 (30 layers × 1,000 positions of SmolLM2
-                // are 46 MB of f32 keys and values).
+                // The next tile's key and value rows (the task's kv heads), ahead of use, into
+                // L2: a sequence's blocks are scattered, so the hardware prefetcher loses the
+                // stream at every block edge, and a long cache does not fit in L3 (30 layers ×
+                // 1,000 positions of SmolLM2 are 46 MB of f32 keys and values). Into L1 (`T0`)
+                // the next tile evicted the current one: `decode_attention_bench stream` (30
+                // layers from DRAM, 576 positions) went from 78-81 to 61-62 µs per layer with
+                // `T1` on the AMD EPYC (Zen 4) machine.
                 let pn = p0 + t;
                 for p in pn..pos.end.min(pn + TILE) {
-                    let off = row_offset(s, p, row) + kvo;
-                    for l in (0..d).step_by(16) {
-                        _mm_prefetch::<_MM_HINT_T0>(kp.add(off + l) as *const i8);
-                        _mm_prefetch::<_MM_HINT_T0>(vp.add(off + l) as *const i8);
+                    let off = row_offset(s, p, row) + lo;
+                    for l in (0..span).step_by(16) {
+                        _mm_prefetch::<_MM_HINT_T1>(kp.add(off + l) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T1>(vp.add(off + l) as *const i8);
                     }
                 }
-                for (h, mh) in m.iter_mut().enumerate() {
-                    let qh = qs.as_ptr().add(h * d);
-                    // Scores of 8 positions at a time, one reduction for the 8.
-                    for i0 in (0..t8).step_by(8) {
-                        let mut a = [_mm256_setzero_ps(); 8];
-                        for c in (0..d).step_by(8) {
-                            let qv = _mm256_loadu_ps(qh.add(c));
-                            for (i, x) in a.iter_mut().enumerate() {
-                                *x = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(offs[i0 + i] + c)), *x);
+                for (j, part) in kvs.clone().zip(parts.chunks_mut(stride)) {
+                    let (kj, vj) = (kp.add(j * d), vp.add(j * d));
+                    let (o, ml) = part.split_at_mut(g * d);
+                    let (m, l) = ml.split_at_mut(g);
+                    for (h, mh) in m.iter_mut().enumerate() {
+                        let qh = q.as_ptr().add((j * g + h) * d);
+                        // Scores of 8 positions at a time, one reduction for the 8.
+                        for i0 in (0..t8).step_by(8) {
+                            let mut a = [_mm256_setzero_ps(); 8];
+                            for c in (0..d).step_by(8) {
+                                let qv = _mm256_loadu_ps(qh.add(c));
+                                for (i, x) in a.iter_mut().enumerate() {
+                                    *x = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj.add(offs[i0 + i] + c)), *x);
+                                }
                             }
+                            _mm256_storeu_ps(sc.as_mut_ptr().add(i0), _mm256_mul_ps(hsum8(&a), scale));
                         }
-                        _mm256_storeu_ps(sc.as_mut_ptr().add(i0), _mm256_mul_ps(hsum8(&a), scale));
-                    }
-                    sc[t..t8].fill(f32::NEG_INFINITY);
-                    let mut mv = _mm256_loadu_ps(sc.as_ptr());
-                    for i0 in (8..t8).step_by(8) {
-                        mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc.as_ptr().add(i0)));
-                    }
-                    let m_new = mh.max(hmax(mv));
-                    // exp(-inf) = 0 on the first tile.
-                    let alpha = (*mh - m_new).exp();
-                    let mn = _mm256_set1_ps(m_new);
-                    let mut sv = _mm256_setzero_ps();
-                    for i0 in (0..t8).step_by(8) {
-                        let p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i0)), mn));
-                        _mm256_storeu_ps(sc.as_mut_ptr().add(i0), p);
-                        sv = _mm256_add_ps(sv, p);
-                    }
-                    l[h] = l[h] * alpha + hsum(sv);
-                    *mh = m_new;
-                    let oh = o.as_mut_ptr().add(h * d);
-                    let mut c0 = 0;
-                    while c0 + 64 <= d {
-                        pv_block::<8>(oh.add(c0), alpha, &sc[..t], &offs[..t], vp.add(c0));
-                        c0 += 64;
-                    }
-                    while c0 + 16 <= d {
-                        pv_block::<2>(oh.add(c0), alpha, &sc[..t], &offs[..t], vp.add(c0));
-                        c0 += 16;
-                    }
-                    if c0 < d {
-                        pv_block::<1>(oh.add(c0), alpha, &sc[..t], &offs[..t], vp.add(c0));
+                        sc[t..t8].fill(f32::NEG_INFINITY);
+                        let mut mv = _mm256_loadu_ps(sc.as_ptr());
+                        for i0 in (8..t8).step_by(8) {
+                            mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc.as_ptr().add(i0)));
+                        }
+                        let m_new = mh.max(hmax(mv));
+                        // exp(-inf) = 0 on the first tile.
+                        let alpha = (*mh - m_new).exp();
+                        let mn = _mm256_set1_ps(m_new);
+                        let mut sv = _mm256_setzero_ps();
+                        for i0 in (0..t8).step_by(8) {
+                            let p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc.as_ptr().add(i0)), mn));
+                            _mm256_storeu_ps(sc.as_mut_ptr().add(i0), p);
+                            sv = _mm256_add_ps(sv, p);
+                        }
+                        l[h] = l[h] * alpha + hsum(sv);
+                        *mh = m_new;
+                        let oh = o.as_mut_ptr().add(h * d);
+                        let mut c0 = 0;
+                        while c0 + 64 <= d {
+                            pv_block::<8>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
+                            c0 += 64;
+                        }
+                        while c0 + 16 <= d {
+                            pv_block::<2>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
+                            c0 += 16;
+                        }
+                        if c0 < d {
+                            pv_block::<1>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
+                        }
                     }
                 }
                 p0 += t;
