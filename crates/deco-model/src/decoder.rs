@@ -259,6 +259,32 @@ impl Pass<'_> {
         if let Some(b) = w.qkv_bias() {
             qkv = qkv.add(b.unsqueeze_dim::<2>(0));
         }
+        let device = qkv.device();
+        if device == Device::flex() && !device.is_autodiff() {
+            // On the CPU without autodiff: one pass splits the projection and rotates q and k
+            // on the host (the same bits as the tensor ops below, see `RopeTable::apply_host`).
+            let positions: Vec<usize> = self.positions.to_data().iter::<i64>().map(|p| usize::try_from(p).unwrap_or(usize::MAX)).collect();
+            let split = crate::host::with_host(&qkv, |h| {
+                let (mut q, mut k, mut v) = (Vec::with_capacity(n * qd), Vec::with_capacity(n * kvd), Vec::with_capacity(n * kvd));
+                for row in h.chunks(qd + 2 * kvd) {
+                    q.extend_from_slice(&row[..qd]);
+                    k.extend_from_slice(&row[qd..qd + kvd]);
+                    v.extend_from_slice(&row[qd + kvd..]);
+                }
+                (q, k, v)
+            })?;
+            let (mut q, mut k, v) = split;
+            let rope_err = |e: deco_kernels::Error| Error::InvalidInput(format!("rope: {e}"));
+            if self.rope.apply_host(&mut q, heads, &positions).map_err(rope_err)?
+                && self.rope.apply_host(&mut k, kvh, &positions).map_err(rope_err)?
+            {
+                return Ok((
+                    Tensor::from_data(TensorData::new(q, [n, heads, hd]), &device),
+                    Tensor::from_data(TensorData::new(k, [n, kvh, hd]), &device),
+                    Tensor::from_data(TensorData::new(v, [n, kvh, hd]), &device),
+                ));
+            }
+        }
         let q = qkv.clone().slice([0..n, 0..qd]).reshape([n, heads, hd]);
         let k = qkv.clone().slice([0..n, qd..qd + kvd]).reshape([n, kvh, hd]);
         let v = qkv.slice([0..n, qd + kvd..qd + 2 * kvd]).reshape([n, kvh, hd]);
