@@ -5,7 +5,7 @@ use rand_chacha::rand_core::{RngCore, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{DecodingError, Result};
-use crate::math::{argmax, log_sum_exp, top_n};
+use crate::math::{argmax, log_sum_exp, max_logit, sum_exp_shifted, top_n};
 use crate::params::{MAX_LOGPROBS, SamplerOrder, SamplingParams};
 use crate::processors::{LogitsProcessor, LogitsProcessorList, ProcessContext};
 
@@ -169,7 +169,11 @@ impl Sampler {
         processors.process(ctx, logits)?;
         // A custom processor could have produced NaN or +inf; refuse rather than guess.
         check_row(logits)?;
-        let lse = log_sum_exp(logits);
+        // `log_sum_exp` spelled out, so that the draw reuses its sum of `exp(l - max)` (one pass
+        // over the vocabulary fewer; the same bits as `log_sum_exp` and `categorical`).
+        let m = max_logit(logits);
+        let total = if m == f32::NEG_INFINITY { 0.0 } else { sum_exp_shifted(logits, m) };
+        let lse = if m == f32::NEG_INFINITY { f64::NEG_INFINITY } else { f64::from(m) + total.ln() };
         if lse == f64::NEG_INFINITY || lse.is_nan() {
             return Err(DecodingError::NoValidToken);
         }
@@ -177,7 +181,7 @@ impl Sampler {
             argmax(logits).ok_or(DecodingError::NoValidToken)?
         } else {
             let u = self.uniform();
-            categorical(logits, u).ok_or(DecodingError::NoValidToken)?
+            categorical_with(logits, u, m, total).ok_or(DecodingError::NoValidToken)?
         };
         let logprob = (f64::from(logits[token]) - lse) as f32;
         let logprobs = match (self.logprobs, raw) {
@@ -273,12 +277,18 @@ fn check_row(logits: &[f32]) -> Result<()> {
 
 /// Inverse-CDF draw from `softmax(logits)` with uniform `u` in `[0, 1)`; `None` if every entry
 /// is `-inf`. Weights are `exp(l - max)` as `f32` terms, summed in `f64`.
+#[cfg(test)]
 fn categorical(logits: &[f32], u: f64) -> Option<usize> {
-    let m = crate::math::max_logit(logits);
+    let m = max_logit(logits);
     if m == f32::NEG_INFINITY {
         return None;
     }
-    let total = crate::math::sum_exp_shifted(logits, m);
+    categorical_with(logits, u, m, sum_exp_shifted(logits, m))
+}
+
+/// [`categorical`] with the row's maximum `m` (finite) and `total = sum_exp_shifted(logits, m)`
+/// already computed.
+fn categorical_with(logits: &[f32], u: f64, m: f32, total: f64) -> Option<usize> {
     let target = u * total;
     let mut cum = 0.0f64;
     let mut last = None;
