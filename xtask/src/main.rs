@@ -442,6 +442,9 @@ enum BenchCmd {
         /// Use this serve_bench binary instead of building the deco-serve example (release).
         #[arg(long, value_name = "PATH")]
         bench_bin: Option<PathBuf>,
+        /// 8-bit activations in the packed matmuls, as `deco serve --q8-activations`.
+        #[arg(long)]
+        q8_activations: bool,
         /// Instead of the throughput benchmark: the soak and fault test of `deco serve`
         /// (deco-cli's `serve_soak` example against the real binary; docs/reliability.md).
         #[arg(long)]
@@ -706,13 +709,14 @@ fn real_main() -> Result<()> {
             kv_cache_mib,
             no_docs,
         }),
-        Cmd::Bench { which: BenchCmd::Serve { cache, repeats, quick, no_docs, bench_bin, .. } } => serve::run(&serve::Options {
+        Cmd::Bench { which: BenchCmd::Serve { cache, repeats, quick, no_docs, bench_bin, q8_activations, .. } } => serve::run(&serve::Options {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
             no_mirror: cache.no_mirror,
             repeats,
             quick,
             no_docs,
             bench_bin,
+            q8_activations,
         }),
     }
 }

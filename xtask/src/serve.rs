@@ -36,6 +36,8 @@ pub struct Options {
     pub no_docs: bool,
     /// Use this serve_bench binary instead of building the example.
     pub bench_bin: Option<PathBuf>,
+    /// 8-bit activations in the packed matmuls (`deco serve --q8-activations`).
+    pub q8_activations: bool,
 }
 
 /// Options of `bench serve --soak`.
@@ -245,6 +247,9 @@ pub fn run(o: &Options) -> Result<()> {
         if o.quick {
             cmd.arg("--quick");
         }
+        if o.q8_activations {
+            cmd.arg("--q8-activations");
+        }
         eprintln!("[{}/{}] + {}", i + 1, o.repeats, util::show(&cmd));
         let out = cmd.output().with_context(|| format!("cannot run {}", bin.display()))?;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -281,13 +286,15 @@ pub fn render(o: &Options, runs: &[Run], loadavg: &str) -> String {
     let commit = bench::command_stdout("git", &["rev-parse", "--short", "HEAD"]);
     let mut s = String::new();
     s.push_str(&format!(
-        "Measured by `cargo xtask bench serve{}{}` on {date} at commit `{commit}` ({} run{}, medians; load average before: {loadavg}). \
-         SmolLM2-135M-Instruct Q4_1 (packed weights), flex CPU backend, all cores, block size 16, 1024 blocks, \
+        "Measured by `cargo xtask bench serve{}{}{}` on {date} at commit `{commit}` ({} run{}, medians; load average before: {loadavg}). \
+         SmolLM2-135M-Instruct Q4_1 (packed weights{}), flex CPU backend, all cores, block size 16, 1024 blocks, \
          `max_num_seqs` 64, `max_num_batched_tokens` 512; each request streams exactly 32 tokens (temperature 0.8, distinct seeds).\n\n",
         if o.quick { " --quick" } else { "" },
         if o.repeats != 1 { format!(" --repeats {}", o.repeats) } else { String::new() },
+        if o.q8_activations { " --q8-activations" } else { "" },
         runs.len(),
-        if runs.len() == 1 { "" } else { "s" }
+        if runs.len() == 1 { "" } else { "s" },
+        if o.q8_activations { ", 8-bit activations with integer dot products as `deco serve --q8-activations`" } else { ", f32 activations" }
     ));
     s.push_str("| streams | requests | aggregate tok/s | × 1 stream | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s of each run |\n");
     s.push_str("|---|---|---|---|---|---|---|---|---|\n");

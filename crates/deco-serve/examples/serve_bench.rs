@@ -1,7 +1,7 @@
 //! Serving benchmark and load test (docs/serving.md).
 //!
 //! ```text
-//! cargo run --release -p deco-serve --example serve_bench -- MODEL.gguf [--quick]
+//! cargo run --release -p deco-serve --example serve_bench -- MODEL.gguf [--quick] [--q8-activations]
 //! ```
 //! Starts the server in-process on a loopback port, then with raw HTTP/1.1 streaming clients:
 //! 1. for 1, 4, 16, 64 concurrent streams: requests of 32 generated tokens (`min_new_tokens`
@@ -91,8 +91,12 @@ fn vm_hwm_mib() -> f64 {
 
 fn main() -> R<()> {
     let args: Vec<String> = std::env::args().collect();
-    let path = args.get(1).ok_or("usage: serve_bench MODEL.gguf [--quick]")?.clone();
+    let path = args.get(1).ok_or("usage: serve_bench MODEL.gguf [--quick] [--q8-activations]")?.clone();
     let quick = args.iter().any(|a| a == "--quick");
+    if args.iter().any(|a| a == "--q8-activations") {
+        // As `deco serve --q8-activations`.
+        deco_kernels::quant::set_activation_precision(deco_kernels::quant::ActivationPrecision::Q8)?;
+    }
     let device = Device::default();
     let ckpt = Checkpoint::open(&path)?;
     let tokenizer = Arc::new(Tokenizer::from_gguf(&GgufFile::open(&path)?)?);
