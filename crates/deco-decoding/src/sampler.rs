@@ -275,8 +275,8 @@ fn check_row(logits: &[f32]) -> Result<()> {
     Ok(())
 }
 
-/// Inverse-CDF draw from `softmax(logits)` with uniform `u` in `[0, 1)`; `None` if every entry
-/// is `-inf`. Weights are `exp(l - max)` as `f32` terms, summed in `f64`.
+/// [`categorical_with`] computing the row's maximum and sum itself; `None` if every entry is
+/// `-inf`.
 #[cfg(test)]
 fn categorical(logits: &[f32], u: f64) -> Option<usize> {
     let m = max_logit(logits);
@@ -286,8 +286,9 @@ fn categorical(logits: &[f32], u: f64) -> Option<usize> {
     categorical_with(logits, u, m, sum_exp_shifted(logits, m))
 }
 
-/// [`categorical`] with the row's maximum `m` (finite) and `total = sum_exp_shifted(logits, m)`
-/// already computed.
+/// Inverse-CDF draw from `softmax(logits)` with uniform `u` in `[0, 1)`, given the row's
+/// maximum `m` (finite) and `total = sum_exp_shifted(logits, m)`. Weights are `exp(l - max)` as
+/// `f32` terms, summed in `f64`; `-inf` entries are skipped.
 fn categorical_with(logits: &[f32], u: f64, m: f32, total: f64) -> Option<usize> {
     let target = u * total;
     let mut cum = 0.0f64;
