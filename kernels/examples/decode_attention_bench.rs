@@ -25,19 +25,24 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// Values in `[-0.5, 0.5)` from a 32-bit xorshift seeded with `seed` (non-zero).
+fn xorshift(seed: u32) -> impl FnMut() -> f32 {
+    let mut x = seed;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        (x as f32 / u32::MAX as f32) - 0.5
+    }
+}
+
 /// The `stream` mode (see the module docs): µs per layer, median of 15 steps.
 fn stream(context: usize, layers: usize, batch: usize) {
     let shape = AttnShape { n_heads: 9, kv_heads: 3, head_dim: 64 };
     let (bs, row) = (16usize, 3 * 64);
     let per_seq = context.div_ceil(bs);
     let nb = batch * per_seq;
-    let mut x = 7u32;
-    let mut rnd = || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        (x as f32 / u32::MAX as f32) - 0.5
-    };
+    let mut rnd = xorshift(7);
     let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
         .map(|_| ((0..nb * bs * row).map(|_| rnd()).collect(), (0..nb * bs * row).map(|_| rnd()).collect()))
         .collect();
@@ -112,13 +117,7 @@ fn main() {
     for batch in batches {
         let per_seq = context.div_ceil(bs);
         let nb = batch * per_seq;
-        let mut x = 1u32;
-        let mut rnd = || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x as f32 / u32::MAX as f32) - 0.5
-        };
+        let mut rnd = xorshift(1);
         let k: Vec<f32> = (0..nb * bs * row).map(|_| rnd()).collect();
         let v: Vec<f32> = (0..nb * bs * row).map(|_| rnd()).collect();
         // Interleaved block tables (sequence s owns blocks s, s + batch, ...).

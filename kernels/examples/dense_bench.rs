@@ -10,6 +10,19 @@
 
 use std::time::Instant;
 
+/// Median wall time in seconds of `runs - warmup` calls of `f`, after `warmup` unmeasured ones.
+fn median_secs(runs: usize, warmup: usize, mut f: impl FnMut()) -> f64 {
+    let mut times: Vec<f64> = (0..runs)
+        .filter_map(|r| {
+            let t = Instant::now();
+            f();
+            (r >= warmup).then(|| t.elapsed().as_secs_f64())
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
 fn main() {
     let n: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(512);
     if n <= deco_kernels::dense::SMALL_N {
@@ -21,32 +34,16 @@ fn main() {
         let x: Vec<f32> = (0..n * inner).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
         let w: Vec<f32> = (0..inner * out).map(|i| ((i * 104_729) % 1000) as f32 * 1e-3 - 0.5).collect();
         let mut y = vec![0.0f32; n * out];
-        let mut times = Vec::new();
-        for r in 0..18 {
-            let t = Instant::now();
-            deco_kernels::dense::matmul(&x, n, &w, inner, out, &mut y).expect("matmul");
-            if r >= 3 {
-                times.push(t.elapsed().as_secs_f64());
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        let med = times[times.len() / 2];
+        let med = median_secs(18, 3, || deco_kernels::dense::matmul(&x, n, &w, inner, out, &mut y).expect("matmul"));
         println!("{what:8} {inner:5} x {out:5}: {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, 2.0 * (n * inner * out) as f64 / med * 1e-9);
     }
     // The calibration Hessians of GPTQ / SparseGPT at the given token count, rated on the
     // n · cols² flops of the lower half's multiply-adds.
     for cols in [576, 1536] {
         let x: Vec<f32> = (0..n * cols).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
-        let mut times = Vec::new();
-        for r in 0..8 {
-            let t = Instant::now();
+        let med = median_secs(8, 2, || {
             std::hint::black_box(deco_kernels::dense::gram(&x, n, cols).expect("gram"));
-            if r >= 2 {
-                times.push(t.elapsed().as_secs_f64());
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        let med = times[times.len() / 2];
+        });
         println!("gram     {n:5} x {cols:5}: {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, (n * cols * cols) as f64 / med * 1e-9);
     }
 }
@@ -64,17 +61,8 @@ fn decode(n: usize) {
     let mut y = vec![0.0f32; n * 49_152];
     let layer_bytes: usize = layers.iter().flatten().map(|w| w.len() * 4).sum();
     let mut run = |what: &str, bytes: usize, f: &mut (dyn FnMut(&mut [f32]) + Send)| {
-        let mut times = Vec::new();
-        for r in 0..11 {
-            let t = Instant::now();
-            // On a pool worker with the spinning team, as `Llama::forward` runs its pass.
-            rayon::scope(|_| deco_kernels::team::with_team(|| f(&mut y)));
-            if r >= 2 {
-                times.push(t.elapsed().as_secs_f64());
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        let med = times[times.len() / 2];
+        // On a pool worker with the spinning team, as `Llama::forward` runs its pass.
+        let med = median_secs(11, 2, || rayon::scope(|_| deco_kernels::team::with_team(|| f(&mut y))));
         println!("decode {what:12} {n} token(s): {:7.3} ms  {:6.1} GB/s", med * 1e3, bytes as f64 / med * 1e-9);
     };
     println!("isa {:?}, {} threads", deco_kernels::quant::Isa::detect(), rayon::current_num_threads());
