@@ -172,8 +172,12 @@ impl Sampler {
         // `log_sum_exp` spelled out, so that the draw reuses its sum of `exp(l - max)` (one pass
         // over the vocabulary fewer; the same bits as `log_sum_exp` and `categorical`).
         let m = max_logit(logits);
-        let total = if m == f32::NEG_INFINITY { 0.0 } else { sum_exp_shifted(logits, m) };
-        let lse = if m == f32::NEG_INFINITY { f64::NEG_INFINITY } else { f64::from(m) + total.ln() };
+        let (total, lse) = if m == f32::NEG_INFINITY {
+            (0.0, f64::NEG_INFINITY)
+        } else {
+            let total = sum_exp_shifted(logits, m);
+            (total, f64::from(m) + total.ln())
+        };
         if lse == f64::NEG_INFINITY || lse.is_nan() {
             return Err(DecodingError::NoValidToken);
         }

@@ -1769,9 +1769,9 @@ impl Engine {
         }
         let mut predicted_tp = None;
         let t_sample = Instant::now();
-        let out = match (&self.autodeco, hidden) {
-            _ if pre.is_some() => pre.expect("checked")?,
-            (Some(heads), Some(h)) if r.use_heads => {
+        let out = match (&self.autodeco, hidden, pre) {
+            (_, _, Some(drawn)) => drawn?,
+            (Some(heads), Some(h), None) if r.use_heads => {
                 // The step's parallel pass skipped rows with structured output (`predicted` is
                 // None there), so a given prediction is for this very (unmasked) row.
                 let predicted = match predicted {
