@@ -5,19 +5,21 @@
 //!
 //! ```text
 //! cargo run --release -p deco-kernels --example decode_attention_bench -- [CONTEXT] [BATCHES]
-//! cargo run --release -p deco-kernels --example decode_attention_bench -- stream [CONTEXT] [LAYERS] [BATCH]
+//! cargo run --release -p deco-kernels --example decode_attention_bench -- stream [CONTEXT] [LAYERS] [BATCH] [f32|f16]
 //! ```
 //!
 //! `stream` times the fused kernel alone as a decode step meets it: `LAYERS` (default 30)
 //! layers of `BATCH` (default 1) sequences, each layer with its own cache, run back to back on
 //! the spinning team (`team::with_team`), after a 256 MiB sweep that evicts them from the
 //! caches (in a real step the weights pass through L3 between two visits of a layer's keys and
-//! values). For scale it also times one thread reading the same arrays (an xor of every value).
+//! values), with an f32 (default) or f16 cache. For scale it also times one thread reading the
+//! same arrays (an xor of every byte).
 
 use std::time::Instant;
 
 use burn::tensor::{Device, Tensor, TensorData};
-use deco_kernels::attention::{AttnShape, SeqKv, paged_decode_attention};
+use deco_kernels::attention::{AttnShape, KvElement, SeqKv, paged_decode_attention};
+use half::f16;
 use deco_kernels::ops::causal_gqa_attention;
 
 fn median(v: &mut [f64]) -> f64 {
@@ -37,15 +39,17 @@ fn xorshift(seed: u32) -> impl FnMut() -> f32 {
 }
 
 /// The `stream` mode (see the module docs): µs per layer, median of 15 steps.
-fn stream(context: usize, layers: usize, batch: usize) {
+fn stream<E: KvElement>(context: usize, layers: usize, batch: usize, from_f32: fn(f32) -> E) {
     let shape = AttnShape { n_heads: 9, kv_heads: 3, head_dim: 64 };
     let (bs, row) = (16usize, 3 * 64);
     let per_seq = context.div_ceil(bs);
     let nb = batch * per_seq;
     let mut rnd = xorshift(7);
-    let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
-        .map(|_| ((0..nb * bs * row).map(|_| rnd()).collect(), (0..nb * bs * row).map(|_| rnd()).collect()))
+    let kv: Vec<(Vec<E>, Vec<E>)> = (0..layers)
+        .map(|_| ((0..nb * bs * row).map(|_| from_f32(rnd())).collect(), (0..nb * bs * row).map(|_| from_f32(rnd())).collect()))
         .collect();
+    // SAFETY: f32 and f16 are plain bytes.
+    let bytes_of = |x: &[E]| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) };
     // Interleaved block tables (sequence s owns blocks s, s + batch, ...).
     let tables: Vec<Vec<u32>> = (0..batch).map(|s| (0..per_seq).map(|i| (i * batch + s) as u32).collect()).collect();
     let q: Vec<f32> = (0..batch * 9 * 64).map(|_| rnd()).collect();
@@ -68,13 +72,13 @@ fn stream(context: usize, layers: usize, batch: usize) {
                 // Read-only sweeps (clean lines, as the weights' stream leaves them).
                 sweep_all();
                 let t0 = Instant::now();
-                let sum = kv.iter().fold(0u32, |a, (k, v)| k.iter().chain(v).fold(a, |b, x| b ^ x.to_bits()));
+                let sum = kv.iter().fold(0u8, |a, (k, v)| bytes_of(k).iter().chain(bytes_of(v)).fold(a, |b, x| b ^ x));
                 let r = t0.elapsed().as_secs_f64() * 1e6 / layers as f64;
                 add(u64::from(sum));
                 sweep_all();
                 let t0 = Instant::now();
                 for (k, v) in &kv {
-                    let seqs: Vec<SeqKv<'_>> =
+                    let seqs: Vec<SeqKv<'_, E>> =
                         tables.iter().map(|t| SeqKv { k, v, block_table: t, block_size: bs, len: context }).collect();
                     paged_decode_attention(&q, shape, &seqs, &mut out).expect("kernel");
                 }
@@ -87,11 +91,12 @@ fn stream(context: usize, layers: usize, batch: usize) {
         })
     });
     let sink = sink.into_inner();
-    let bytes = (batch * context * row * 2 * 4) as f64;
+    let bytes = (batch * context * row * 2 * std::mem::size_of::<E>()) as f64;
     let t = median(&mut times);
     let r = median(&mut reads);
     println!(
-        "stream: batch {batch}, context {context}, {layers} layers: {t:.1} µs/layer, {:.1} GB/s of keys and values; a 1-thread xor of the same arrays {r:.1} µs/layer ({:.1} GB/s) [{}]",
+        "stream: {}, batch {batch}, context {context}, {layers} layers: {t:.1} µs/layer, {:.1} GB/s of keys and values; a 1-thread xor of the same arrays {r:.1} µs/layer ({:.1} GB/s) [{}]",
+        std::any::type_name::<E>(),
         bytes / t / 1e3,
         bytes / r / 1e3,
         sink % 2
@@ -104,7 +109,11 @@ fn main() {
         let context = args.get(2).map_or(576, |s| s.parse().expect("CONTEXT"));
         let layers = args.get(3).map_or(30, |s| s.parse().expect("LAYERS"));
         let batch = args.get(4).map_or(1, |s| s.parse().expect("BATCH"));
-        return stream(context, layers, batch);
+        return match args.get(5).map_or("f32", String::as_str) {
+            "f32" => stream(context, layers, batch, |x| x),
+            "f16" => stream(context, layers, batch, f16::from_f32),
+            other => panic!("cache type {other}: f32 or f16"),
+        };
     }
     let context: usize = args.get(1).map_or(512, |s| s.parse().expect("CONTEXT"));
     let batches: Vec<usize> =

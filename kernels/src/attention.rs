@@ -23,6 +23,9 @@
 //!
 //! The new token is the last cached position, so no causal mask is needed. Sums are f32
 //! (FMA with AVX2); relative error against an f64 reference is ~1e-6 of `Σ_p p_p |v_p|`.
+//! The cache may hold f16 keys and values ([`KvElement`]): they are widened exactly on load,
+//! so the result is the f32 kernel's on the rounded keys and values, and a step streams half
+//! the bytes (decode attention at depth is bound by reading the cache).
 //!
 //! # Parallelism and ISA
 //! Split-K over the key positions (FlashDecoding, Dao et al. 2023; llama.cpp's and vLLM's
@@ -45,9 +48,59 @@
 
 use std::ops::Range;
 
+use half::f16;
 
 use crate::error::{Error, Result};
 use crate::quant::Isa;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+}
+
+/// The element type of a key/value cache the kernel reads: `f32`, or IEEE binary16
+/// ([`half::f16`], llama.cpp's default KV type, `-ctk f16 -ctv f16`), which halves the bytes a
+/// decode step streams. Keys and values are widened to f32 on load (F16C `vcvtph2ps` in the SIMD
+/// task, exact); every sum is f32 as with an f32 cache, so an f16 cache gives the result of the
+/// f32 kernel on the f16-rounded keys and values.
+pub trait KvElement: Copy + Send + Sync + 'static + sealed::Sealed {
+    /// The element's value as f32 (exact for both types).
+    fn to_f32(self) -> f32;
+    /// Eight consecutive elements at `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// AVX (and F16C for f16) available; `p .. p + 8` readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl KvElement for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (16 readable bytes, F16C).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+}
 
 /// Key positions per online-softmax tile.
 pub const TILE: usize = 32;
@@ -65,16 +118,16 @@ const PARALLEL_MIN_WORK: usize = 1 << 18;
 
 /// One sequence's keys and values of one layer, in host memory.
 ///
-/// `k` and `v` are arrays of blocks `[num_blocks, block_size, kv_heads, head_dim]`, row-major.
-/// Position `p < len` is row `p % block_size` of block `block_table[p / block_size]`. A
-/// contiguous cache `[tokens, kv_heads, head_dim]` is the case `block_table = [0]`,
-/// `block_size >= len`.
+/// `k` and `v` are arrays of blocks `[num_blocks, block_size, kv_heads, head_dim]`, row-major,
+/// of f32 or f16 elements ([`KvElement`]). Position `p < len` is row `p % block_size` of block
+/// `block_table[p / block_size]`. A contiguous cache `[tokens, kv_heads, head_dim]` is the case
+/// `block_table = [0]`, `block_size >= len`.
 #[derive(Debug, Clone, Copy)]
-pub struct SeqKv<'a> {
+pub struct SeqKv<'a, E: KvElement = f32> {
     /// Key blocks.
-    pub k: &'a [f32],
+    pub k: &'a [E],
     /// Value blocks (same layout as `k`).
-    pub v: &'a [f32],
+    pub v: &'a [E],
     /// Block of each run of `block_size` positions; at least `len.div_ceil(block_size)` entries.
     pub block_table: &'a [u32],
     /// Positions per block (≥ 1).
@@ -99,7 +152,7 @@ pub struct AttnShape {
 ///
 /// # Shapes
 /// - `q`: `[seqs.len(), n_heads, head_dim]` (RoPE already applied)
-/// - `seqs[i]`: the cache of sequence `i` (see [`SeqKv`])
+/// - `seqs[i]`: the cache of sequence `i` (see [`SeqKv`]; f32 or f16 elements)
 /// - `out`: `[seqs.len(), n_heads, head_dim]`, overwritten
 ///
 /// # Errors
@@ -107,7 +160,7 @@ pub struct AttnShape {
 /// sequence with `len == 0` or `block_size == 0`, a block table too short for `len`, a block
 /// outside the storage, or `k` / `v` of different lengths; [`Error::Length`] for `q` or `out` of
 /// the wrong length. Nothing is written on error.
-pub fn paged_decode_attention(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], out: &mut [f32]) -> Result<()> {
+pub fn paged_decode_attention<E: KvElement>(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_, E>], out: &mut [f32]) -> Result<()> {
     paged_decode_attention_with(q, shape, seqs, out, Isa::detect())
 }
 
@@ -116,10 +169,10 @@ pub fn paged_decode_attention(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], o
 ///
 /// # Errors
 /// As [`paged_decode_attention`].
-pub fn paged_decode_attention_with(
+pub fn paged_decode_attention_with<E: KvElement>(
     q: &[f32],
     shape: AttnShape,
-    seqs: &[SeqKv<'_>],
+    seqs: &[SeqKv<'_, E>],
     out: &mut [f32],
     isa: Isa,
 ) -> Result<()> {
@@ -195,7 +248,7 @@ pub fn paged_decode_attention_with(
 }
 
 /// [`paged_decode_attention_with`] on validated inputs (`isa` available).
-fn attend_group(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], out: &mut [f32], isa: Isa) {
+fn attend_group<E: KvElement>(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_, E>], out: &mut [f32], isa: Isa) {
     let AttnShape { n_heads, kv_heads, head_dim } = shape;
     let work = seqs.iter().fold(0usize, |w, s| w.saturating_add(s.len * n_heads * head_dim * 2));
     let g = n_heads / kv_heads;
@@ -229,7 +282,7 @@ fn attend_group(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], out: &mut [f32]
         let qseq = &q[si * n_heads * head_dim..][..n_heads * head_dim];
         match simd {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `simd` holds only if `isa` (AVX2 / AVX-512, both with AVX2 + FMA) was
+            // SAFETY: `simd` holds only if `isa` (AVX2 / AVX-512, both with AVX2 + FMA + F16C) was
             // confirmed by `is_available` and `head_dim` is a multiple of 8; the bounds of
             // every row read were checked above.
             true => unsafe { x86::task(qseq, s, kvs, pos, shape, ps) },
@@ -279,7 +332,7 @@ fn attend_group(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], out: &mut [f32]
 
 /// Offset of position `p` (kv head 0) in the storage of `s` (`row` = `kv_heads · head_dim`).
 #[inline(always)]
-fn row_offset(s: &SeqKv<'_>, p: usize, row: usize) -> usize {
+fn row_offset<E: KvElement>(s: &SeqKv<'_, E>, p: usize, row: usize) -> usize {
     (s.block_table[p / s.block_size] as usize * s.block_size + p % s.block_size) * row
 }
 
@@ -287,9 +340,9 @@ fn row_offset(s: &SeqKv<'_>, p: usize, row: usize) -> usize {
 /// head `kvh` over positions `pos` of `s`. Writes the unnormalized output `o` (`[g, head_dim]`),
 /// the running maxima `m` and sums `l` (`[g]`).
 #[allow(clippy::too_many_arguments)]
-fn scalar_task(
+fn scalar_task<E: KvElement>(
     qs: &[f32],
-    s: &SeqKv<'_>,
+    s: &SeqKv<'_, E>,
     kvh: usize,
     pos: Range<usize>,
     shape: AttnShape,
@@ -315,7 +368,7 @@ fn scalar_task(
         for (h, qh) in qs.chunks(d).enumerate() {
             let mut tile_max = f32::NEG_INFINITY;
             for (sv, &off) in sc[..t].iter_mut().zip(&offs[..t]) {
-                *sv = qh.iter().zip(&s.k[off..off + d]).map(|(x, y)| x * y).sum::<f32>() * scale;
+                *sv = qh.iter().zip(&s.k[off..off + d]).map(|(x, y)| x * y.to_f32()).sum::<f32>() * scale;
                 tile_max = tile_max.max(*sv);
             }
             let m_new = m[h].max(tile_max);
@@ -329,7 +382,7 @@ fn scalar_task(
             for (&sv, &off) in sc[..t].iter().zip(&offs[..t]) {
                 let p = (sv - m_new).exp();
                 sum += p;
-                oh.iter_mut().zip(&s.v[off..off + d]).for_each(|(a, x)| *a += p * x);
+                oh.iter_mut().zip(&s.v[off..off + d]).for_each(|(a, x)| *a += p * x.to_f32());
             }
             l[h] = l[h] * alpha + sum;
             m[h] = m_new;
@@ -344,7 +397,7 @@ mod x86 {
 
     use std::ops::Range;
 
-    use super::{AttnShape, SeqKv, TILE, row_offset};
+    use super::{AttnShape, KvElement, SeqKv, TILE, row_offset};
     use crate::simd::{exp_in_range, hsum};
 
     /// `[Σ a_0, …, Σ a_7]`: the horizontal sums of eight vectors in one vector.
@@ -392,9 +445,10 @@ mod x86 {
     /// `acc[0..W·8] = alpha · o + Σ_i p_i · v(offs_i)` with the accumulator in registers.
     ///
     /// # Safety
-    /// AVX2 + FMA; `o` holds `W · 8` values; every `v + off_i` holds `W · 8` values.
+    /// AVX2 + FMA (+ F16C for f16); `o` holds `W · 8` values; every `v + off_i` holds `W · 8`
+    /// values.
     #[inline(always)]
-    unsafe fn pv_block<const W: usize>(o: *mut f32, alpha: f32, p: &[f32], offs: &[usize], v: *const f32) {
+    unsafe fn pv_block<E: KvElement, const W: usize>(o: *mut f32, alpha: f32, p: &[f32], offs: &[usize], v: *const E) {
         // SAFETY: the caller's contract covers every load and store.
         unsafe {
             let a = _mm256_set1_ps(alpha);
@@ -406,7 +460,7 @@ mod x86 {
                 let pb = _mm256_set1_ps(pi);
                 let vp = v.add(off);
                 for (k, x) in acc.iter_mut().enumerate() {
-                    *x = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vp.add(8 * k)), *x);
+                    *x = _mm256_fmadd_ps(pb, E::load8(vp.add(8 * k)), *x);
                 }
             }
             for (k, x) in acc.iter().enumerate() {
@@ -424,11 +478,12 @@ mod x86 {
     /// task computes a partial does not change its bits).
     ///
     /// # Safety
-    /// AVX2 and FMA must be available; `head_dim % 8 == 0`; `kvs.end <= kv_heads`; the rows of
-    /// `s` at `pos` must be in bounds (checked by the caller); `q` holds `n_heads · head_dim`
-    /// values (this sequence's query), `parts` `kvs.len() · g · (head_dim + 2)`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn task(q: &[f32], s: &SeqKv<'_>, kvs: Range<usize>, pos: Range<usize>, shape: AttnShape, parts: &mut [f32]) {
+    /// AVX2, FMA and F16C must be available; `head_dim % 8 == 0`; `kvs.end <= kv_heads`; the
+    /// rows of `s` at `pos` must be in bounds (checked by the caller); `q` holds
+    /// `n_heads · head_dim` values (this sequence's query), `parts`
+    /// `kvs.len() · g · (head_dim + 2)`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn task<E: KvElement>(q: &[f32], s: &SeqKv<'_, E>, kvs: Range<usize>, pos: Range<usize>, shape: AttnShape, parts: &mut [f32]) {
         let AttnShape { n_heads, kv_heads, head_dim: d } = shape;
         let g = n_heads / kv_heads;
         let stride = g * (d + 2);
@@ -469,7 +524,7 @@ mod x86 {
                 let pn = p0 + t;
                 for p in pn..pos.end.min(pn + TILE) {
                     let off = row_offset(s, p, row) + lo;
-                    for l in (0..span).step_by(16) {
+                    for l in (0..span).step_by(64 / size_of::<E>()) {
                         _mm_prefetch::<_MM_HINT_T1>(kp.add(off + l) as *const i8);
                         _mm_prefetch::<_MM_HINT_T1>(vp.add(off + l) as *const i8);
                     }
@@ -486,7 +541,7 @@ mod x86 {
                             for c in (0..d).step_by(8) {
                                 let qv = _mm256_loadu_ps(qh.add(c));
                                 for (i, x) in a.iter_mut().enumerate() {
-                                    *x = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj.add(offs[i0 + i] + c)), *x);
+                                    *x = _mm256_fmadd_ps(qv, E::load8(kj.add(offs[i0 + i] + c)), *x);
                                 }
                             }
                             _mm256_storeu_ps(sc.as_mut_ptr().add(i0), _mm256_mul_ps(hsum8(&a), scale));
@@ -511,15 +566,15 @@ mod x86 {
                         let oh = o.as_mut_ptr().add(h * d);
                         let mut c0 = 0;
                         while c0 + 64 <= d {
-                            pv_block::<8>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
+                            pv_block::<E, 8>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
                             c0 += 64;
                         }
                         while c0 + 16 <= d {
-                            pv_block::<2>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
+                            pv_block::<E, 2>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
                             c0 += 16;
                         }
                         if c0 < d {
-                            pv_block::<1>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
+                            pv_block::<E, 1>(oh.add(c0), alpha, &sc[..t], &offs[..t], vj.add(c0));
                         }
                     }
                 }

@@ -4,7 +4,8 @@
 //! scalar and AVX2; plus the error cases.
 
 use deco_kernels::Error;
-use deco_kernels::attention::{AttnShape, SeqKv, paged_decode_attention, paged_decode_attention_with};
+use deco_kernels::attention::{AttnShape, KvElement, SeqKv, paged_decode_attention, paged_decode_attention_with};
+use half::f16;
 use deco_kernels::quant::Isa;
 use proptest::prelude::*;
 
@@ -56,7 +57,7 @@ fn shuffle<T>(v: &mut [T], rng: &mut StdRng) {
 
 /// Naive attention of one query row over `len` positions, f64: returns (out, Σ_p p_p |v_p|) per
 /// element of head `h`.
-fn reference(q: &[f32], s: &SeqKv<'_>, shape: AttnShape, h: usize) -> (Vec<f64>, Vec<f64>) {
+fn reference<E: KvElement>(q: &[f32], s: &SeqKv<'_, E>, shape: AttnShape, h: usize) -> (Vec<f64>, Vec<f64>) {
     let AttnShape { n_heads, kv_heads, head_dim: d } = shape;
     let j = h / (n_heads / kv_heads);
     let row = kv_heads * d;
@@ -64,7 +65,7 @@ fn reference(q: &[f32], s: &SeqKv<'_>, shape: AttnShape, h: usize) -> (Vec<f64>,
     let scores: Vec<f64> = (0..s.len)
         .map(|p| {
             let o = at(p);
-            (0..d).map(|i| q[i] as f64 * s.k[o + i] as f64).sum::<f64>() / (d as f64).sqrt()
+            (0..d).map(|i| q[i] as f64 * s.k[o + i].to_f32() as f64).sum::<f64>() / (d as f64).sqrt()
         })
         .collect();
     let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -75,14 +76,14 @@ fn reference(q: &[f32], s: &SeqKv<'_>, shape: AttnShape, h: usize) -> (Vec<f64>,
     for (p, ep) in e.iter().enumerate() {
         let o = at(p);
         for i in 0..d {
-            out[i] += ep / z * s.v[o + i] as f64;
-            mag[i] += ep / z * (s.v[o + i] as f64).abs();
+            out[i] += ep / z * s.v[o + i].to_f32() as f64;
+            mag[i] += ep / z * (s.v[o + i].to_f32() as f64).abs();
         }
     }
     (out, mag)
 }
 
-fn check(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_>], isa: Isa) -> Result<(), TestCaseError> {
+fn check<E: KvElement>(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_, E>], isa: Isa) -> Result<(), TestCaseError> {
     let d = shape.head_dim;
     let mut out = vec![f32::NAN; q.len()];
     paged_decode_attention_with(q, shape, seqs, &mut out, isa).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -185,6 +186,19 @@ proptest! {
             .collect();
         for isa in isas() {
             check(&q, shape, &seqs, isa)?;
+        }
+        // The same storage in f16: against the reference on the rounded values, and bit for bit
+        // the f32 kernel's result on those values widened back to f32.
+        let (k16, v16): (Vec<f16>, Vec<f16>) = (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+        let (kw, vw): (Vec<f32>, Vec<f32>) = (k16.iter().map(|x| x.to_f32()).collect(), v16.iter().map(|x| x.to_f32()).collect());
+        let seqs16: Vec<SeqKv<'_, f16>> = seqs.iter().map(|s| SeqKv { k: &k16, v: &v16, block_table: s.block_table, block_size: s.block_size, len: s.len }).collect();
+        let seqsw: Vec<SeqKv<'_>> = seqs.iter().map(|s| SeqKv { k: &kw, v: &vw, ..*s }).collect();
+        for isa in isas() {
+            check(&q, shape, &seqs16, isa)?;
+            let (mut a, mut b) = (vec![f32::NAN; q.len()], vec![f32::NAN; q.len()]);
+            paged_decode_attention_with(&q, shape, &seqs16, &mut a, isa).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            paged_decode_attention_with(&q, shape, &seqsw, &mut b, isa).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{isa:?}: f16 storage differs from its f32 widening");
         }
     }
 
@@ -304,7 +318,7 @@ fn errors_and_empty_batch() {
     k2[..8].fill(1.0);
     let s2 = SeqKv { k: &k2, v: &k2, block_table: &[0, 1], block_size: 2, len: 3 };
     paged_decode_attention(&q, shape, &[s2], &mut out).expect("last block partially in storage");
-    paged_decode_attention(&[], shape, &[], &mut []).expect("empty batch");
+    paged_decode_attention::<f32>(&[], shape, &[], &mut []).expect("empty batch");
 }
 
 /// A call whose partial results exceed the kernel's buffer bound (a long prefill: many queries

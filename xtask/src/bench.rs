@@ -164,6 +164,8 @@ pub struct GenerateOptions {
     pub deco_bin: Option<PathBuf>,
     /// Run deco with `--q8-activations`.
     pub q8_activations: bool,
+    /// Run deco with `--kv-cache-dtype f16` (llama.cpp's default KV type).
+    pub kv_f16: bool,
     /// Also run llama.cpp's own `llama-bench`, built from the vendored sources with cmake.
     pub llama_bench: bool,
     /// The instruction set both engines may use.
@@ -214,6 +216,9 @@ impl GenerateOptions {
         }
         if self.q8_activations {
             s.push_str(" --q8-activations");
+        }
+        if self.kv_f16 {
+            s.push_str(" --kv-cache-dtype f16");
         }
         if self.llama_bench {
             s.push_str(" --llama-bench");
@@ -1232,7 +1237,7 @@ pub fn render_llama_bench(o: &GenerateOptions, results: &[TypeResult], meta: &Ru
             BenchIsa::Avx2 => "`GGML_NATIVE=OFF`: SSE4.2, AVX, AVX2, BMI2, FMA, F16C, no AVX-512",
         },
         o.threads,
-        if o.q8_activations { " --q8-activations" } else { "" },
+        deco_flags(o),
         if o.isa == BenchIsa::Avx2 { " with `DECO_KERNELS=avx2` (AVX2 kernels only)" } else { "" },
         o.repeats
     ));
@@ -1301,8 +1306,13 @@ pub fn render_markdown(
         o.threads,
         o.prompt_tokens,
         o.decode_tokens,
-        if o.q8_activations { " --q8-activations" } else { "" },
-        if o.q8_activations { " (8-bit activations and integer dot products in the packed matmuls, as llama.cpp)" } else { " (f32 activations)" },
+        deco_flags(o),
+        match (o.q8_activations, o.kv_f16) {
+            (true, true) => " (8-bit activations and integer dot products in the packed matmuls, and an f16 KV cache, as llama.cpp)",
+            (true, false) => " (8-bit activations and integer dot products in the packed matmuls, as llama.cpp)",
+            (false, true) => " (f32 activations, an f16 KV cache as llama.cpp)",
+            (false, false) => " (f32 activations)",
+        },
         o.repeats
     ));
     if results.iter().any(|r| r.ty.fetched().is_some()) {
@@ -1709,6 +1719,18 @@ pub fn target_dir() -> Result<PathBuf> {
         .context("cargo metadata has no target_directory")
 }
 
+/// deco's options of a run as they appear on its command line (each with a leading space).
+fn deco_flags(o: &GenerateOptions) -> String {
+    let mut s = String::new();
+    if o.q8_activations {
+        s.push_str(" --q8-activations");
+    }
+    if o.kv_f16 {
+        s.push_str(" --kv-cache-dtype f16");
+    }
+    s
+}
+
 fn run_deco(bin: &Path, model: &Path, prompt: &str, o: &GenerateOptions) -> Result<Stats> {
     let mut cmd = Command::new(bin);
     cmd.arg("generate")
@@ -1720,6 +1742,7 @@ fn run_deco(bin: &Path, model: &Path, prompt: &str, o: &GenerateOptions) -> Resu
         .args(["--temperature", "0"])
         .args(["--threads", &o.threads.to_string()])
         .args(o.q8_activations.then_some("--q8-activations"))
+        .args(if o.kv_f16 { &["--kv-cache-dtype", "f16"][..] } else { &[] })
         .stdout(Stdio::null());
     if o.isa == BenchIsa::Avx2 {
         cmd.env("DECO_KERNELS", "avx2");
@@ -1800,6 +1823,7 @@ mod tests {
             no_docs: true,
             deco_bin: None,
             q8_activations: false,
+            kv_f16: false,
             llama_bench: false,
             isa: BenchIsa::Native,
         }

@@ -388,6 +388,10 @@ enum BenchCmd {
         /// the packed matmuls, as llama.cpp; needs AVX2).
         #[arg(long)]
         q8_activations: bool,
+        /// Element type of deco's KV cache: `f32` (default) or `f16` (`deco generate
+        /// --kv-cache-dtype f16`, llama.cpp's default KV type).
+        #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+        kv_cache_dtype: String,
         /// Also run llama.cpp's own `llama-bench` (built from the same vendored sources with
         /// cmake; pp and tg at depth 0 and at the prompt length), interleaved with the others.
         #[arg(long)]
@@ -658,6 +662,7 @@ fn real_main() -> Result<()> {
                     no_docs,
                     deco_bin,
                     q8_activations,
+                    kv_cache_dtype,
                     llama_bench,
                     isa,
                 },
@@ -674,6 +679,7 @@ fn real_main() -> Result<()> {
             no_docs,
             deco_bin,
             q8_activations,
+            kv_f16: kv_cache_dtype == "f16",
             llama_bench,
             isa,
         }),

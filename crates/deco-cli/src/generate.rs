@@ -16,7 +16,7 @@ use deco_formats::checkpoint::Checkpoint;
 
 use deco_formats::tokenizer::Tokenizer;
 use deco_generate::{BeamSearchParams, ContrastiveDecodingParams, DraftSource, EarlyStopping, PromptLookupDrafter};
-use deco_serve::{DraftModel, EngineConfig, EngineEvent, EngineOptions, GenerateRequest, Strategy as EngineStrategy, TokenInfo};
+use deco_serve::{DraftModel, EngineConfig, EngineEvent, EngineOptions, GenerateRequest, KvCacheDtype, Strategy as EngineStrategy, TokenInfo};
 use deco_model::Llama;
 use deco_model::early_exit::EarlyExitConfig;
 
@@ -165,6 +165,11 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-sequence tokens (benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+    /// Element type of the KV cache (vLLM's option): `f32` (default, the keys and values as
+    /// computed) or `f16` (half the cache memory and half the bytes a decode step reads, as
+    /// llama.cpp's default cache; CPU only; see docs/performance.md for its perplexity cost).
+    #[arg(long, default_value = "f32")]
+    kv_cache_dtype: KvCacheDtype,
     /// AutoDeco heads directory (`deco autodeco train --out`): each token is sampled with
     /// temperature = T × --temperature and top_p = clamp(P × --top-p, 0, 1), T and P predicted by
     /// the heads. Implies --strategy sample (user temperature 1) unless --strategy greedy.
@@ -225,11 +230,12 @@ type OnDelta<'a> = dyn FnMut(usize, &str, &[TokenInfo]) -> Result<()> + 'a;
 
 /// Runs one request on the serving engine (`deco_serve::engine`, the decode loop `deco serve`
 /// runs, so `deco generate` and `deco serve` give the same tokens) with a KV pool sized for
-/// `width` parallel sequences of the request. `on_delta(index, text, tokens)` sees every piece
+/// `width` parallel sequences of the request, keys and values stored as `kv`. `on_delta(index, text, tokens)` sees every piece
 /// of output as the engine releases it (stop strings already applied).
 fn run_on_engine(
     model: &Llama,
     tok: &Tokenizer,
+    kv: KvCacheDtype,
     req: GenerateRequest,
     width: usize,
     options: EngineOptions,
@@ -237,7 +243,7 @@ fn run_on_engine(
 ) -> Result<EngineRun> {
     let block_size = EngineConfig::default().block_size;
     let per_seq = (req.prompt.len() + req.params.max_new_tokens.unwrap_or(0)).div_ceil(block_size) + 1;
-    let config = EngineConfig { num_blocks: per_seq * (width + 1) + 1, max_n: req.n.max(1), ..EngineConfig::default() };
+    let config = EngineConfig { num_blocks: per_seq * (width + 1) + 1, max_n: req.n.max(1), kv_cache_dtype: kv, ..EngineConfig::default() };
     let n = req.n;
     let (engine, join) = deco_serve::spawn_engine_opts(model.clone(), std::sync::Arc::new(tok.clone()), config, options)?;
     let (_, mut rx) = engine.submit(req)?;
@@ -460,7 +466,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
                 num_return_sequences: args.n,
             };
             let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), args.n, EngineStrategy::Beam(beam));
-            let run = run_on_engine(&model, &tok, req, args.num_beams, EngineOptions::default(), &mut |_, _, _| Ok(()))?;
+            let run = run_on_engine(&model, &tok, args.kv_cache_dtype, req, args.num_beams, EngineOptions::default(), &mut |_, _, _| Ok(()))?;
             let (choices, steps) = (run.choices, run.steps);
             let mut total = 0;
             let mut out = std::io::stdout().lock();
@@ -489,7 +495,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             let mut trace: Vec<Vec<deco_autodeco::decode::TraceRow>> = vec![Vec::new(); args.n];
             let mut print = stream_to_stdout(args.n, args.logprobs.is_some());
             let options = EngineOptions { autodeco: Some(heads), ..EngineOptions::default() };
-            let run = run_on_engine(&model, &tok, req, args.n, options, &mut |index: usize, text: &str, tokens: &[TokenInfo]| {
+            let run = run_on_engine(&model, &tok, args.kv_cache_dtype, req, args.n, options, &mut |index: usize, text: &str, tokens: &[TokenInfo]| {
                 for t in tokens {
                     if let Some((temperature, top_p)) = t.autodeco {
                         let used = deco_autodeco::decode::combine(&params, deco_autodeco::HeadOutput { temperature, top_p });
@@ -517,7 +523,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         }
         Strategy::Greedy | Strategy::Sample => {
             let req = GenerateRequest::sample(prompt_ids.clone(), params.clone(), args.n);
-            let run = run_on_engine(&model, &tok, req, args.n, EngineOptions::default(), &mut stream_to_stdout(args.n, args.logprobs.is_some()))?;
+            let run = run_on_engine(&model, &tok, args.kv_cache_dtype, req, args.n, EngineOptions::default(), &mut stream_to_stdout(args.n, args.logprobs.is_some()))?;
             print_choices(&run.choices, "sample")?;
             (run.choices.iter().map(|c| c.tokens).sum(), run.first_text_at)
         }
@@ -527,7 +533,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             }
             let p_cs = SamplingParams { top_k: Some(args.top_k.unwrap_or(4)), ..params.clone() };
             let req = GenerateRequest::with_strategy(prompt_ids.clone(), p_cs, 1, EngineStrategy::ContrastiveSearch { penalty_alpha: args.penalty_alpha });
-            let run = run_on_engine(&model, &tok, req, args.top_k.unwrap_or(4).max(1) as usize + 1, EngineOptions::default(), &mut stream_to_stdout(1, false))?;
+            let run = run_on_engine(&model, &tok, args.kv_cache_dtype, req, args.top_k.unwrap_or(4).max(1) as usize + 1, EngineOptions::default(), &mut stream_to_stdout(1, false))?;
             print_choices(&run.choices, "sample")?;
             (run.choices[0].tokens, run.first_text_at)
         }
@@ -538,7 +544,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             let cd = ContrastiveDecodingParams { alpha: args.contrastive_alpha, amateur_temperature: args.amateur_temperature };
             let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::ContrastiveDecoding(cd));
             let options = EngineOptions { draft: second, ..EngineOptions::default() };
-            let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
+            let run = run_on_engine(&model, &tok, args.kv_cache_dtype, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
             print_choices(&run.choices, "sample")?;
             (run.choices[0].tokens, run.first_text_at)
         }
@@ -551,7 +557,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             let draft = second;
             let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::Speculative { num_speculative_tokens: gamma, source, schedule: args.num_assistant_tokens_schedule.parse()? });
             let options = EngineOptions { draft, ..EngineOptions::default() };
-            let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
+            let run = run_on_engine(&model, &tok, args.kv_cache_dtype, req, 1, options, &mut stream_to_stdout(1, args.logprobs.is_some()))?;
             print_choices(&run.choices, "sample")?;
             let rate = if run.drafted == 0 { 0.0 } else { run.accepted as f64 / run.drafted as f64 };
             extra = format!(
@@ -571,7 +577,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             let setting = medusa_setting(dir, args.medusa_choices.as_deref(), args.posterior_threshold, args.posterior_alpha, &model)?;
             let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), 1, EngineStrategy::Medusa);
             let options = EngineOptions { medusa: Some(setting), ..EngineOptions::default() };
-            let run = run_on_engine(&model, &tok, req, 1, options, &mut stream_to_stdout(1, false))?;
+            let run = run_on_engine(&model, &tok, args.kv_cache_dtype, req, 1, options, &mut stream_to_stdout(1, false))?;
             print_choices(&run.choices, "sample")?;
             let rounds = run.steps.saturating_sub(1);
             let mean = if rounds == 0 { 0.0 } else { (run.accepted + rounds) as f64 / rounds as f64 };
@@ -581,7 +587,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         Strategy::EarlyExit => {
             let cfg = EarlyExitConfig { entropy_threshold: args.exit_entropy, min_layers: args.exit_min_layers, check_every: args.exit_check_every };
             let req = GenerateRequest::with_strategy(prompt_ids.clone(), params.clone(), args.n, EngineStrategy::EarlyExit(cfg));
-            let run = run_on_engine(&model, &tok, req, args.n, EngineOptions::default(), &mut stream_to_stdout(args.n, args.logprobs.is_some()))?;
+            let run = run_on_engine(&model, &tok, args.kv_cache_dtype, req, args.n, EngineOptions::default(), &mut stream_to_stdout(args.n, args.logprobs.is_some()))?;
             print_choices(&run.choices, "sample")?;
             let skipped = if run.exit_layers_total == 0 { 0.0 } else { 1.0 - run.exit_layers_run as f64 / run.exit_layers_total as f64 };
             extra = format!(" layers_skipped={skipped:.3}");

@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use deco_model::{DenseKvCache, LogitsWanted, SeqInput};
+use deco_model::{DenseKvCache, KvCache, LogitsWanted, SeqInput};
+use deco_serve::{CacheShape, KvCacheDtype, PagedKvCache};
 
 use crate::ModelArgs;
 
@@ -25,6 +26,11 @@ pub struct PplArgs {
     /// Use only the first N characters of the file (the golden protocol uses 20000).
     #[arg(long)]
     max_chars: Option<usize>,
+    /// Element type of the KV cache the window's attention reads: `f32` (default) or `f16`
+    /// (the serving engine's paged cache with f16 blocks, as `deco generate --kv-cache-dtype
+    /// f16`): measures what the rounding of the keys and values costs.
+    #[arg(long, default_value = "f32")]
+    kv_cache_dtype: KvCacheDtype,
 }
 
 /// Negative log-likelihood of `target` under `softmax(logits)`, in f64.
@@ -56,8 +62,22 @@ pub fn run(args: &PplArgs) -> Result<()> {
     let mut count = 0usize;
     for w in 0..windows {
         let window = &ids[w * args.seqlen..(w + 1) * args.seqlen];
-        let mut cache = DenseKvCache::new(model.config.num_hidden_layers);
-        let rows = model.forward(&[SeqInput { seq: 0, tokens: window, tree: None }], &mut cache, LogitsWanted::All)?.logits_rows()?;
+        let cfg = &model.config;
+        let mut cache: Box<dyn KvCache> = match args.kv_cache_dtype {
+            KvCacheDtype::F32 => Box::new(DenseKvCache::new(cfg.num_hidden_layers)),
+            dtype => {
+                let block_size = 16;
+                let shape = CacheShape {
+                    n_layers: cfg.num_hidden_layers,
+                    kv_heads: cfg.num_key_value_heads,
+                    head_dim: cfg.head_dim,
+                    block_size,
+                    num_blocks: args.seqlen.div_ceil(block_size) + 1,
+                };
+                Box::new(PagedKvCache::with_dtype(shape, dtype, model.device())?)
+            }
+        };
+        let rows = model.forward(&[SeqInput { seq: 0, tokens: window, tree: None }], cache.as_mut(), LogitsWanted::All)?.logits_rows()?;
         let mut wn = 0.0;
         for (row, &target) in rows.iter().zip(&window[1..]) {
             wn += nll(row, target);

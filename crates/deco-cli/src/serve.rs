@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use deco_formats::chat_template::ChatTemplate;
 use deco_generate::{DraftSchedule, DraftSource, PromptLookupDrafter};
-use deco_serve::{DraftModel, EngineConfig, EngineOptions, SchedulerConfig, ServerState, Speculation};
+use deco_serve::{CacheShape, DraftModel, EngineConfig, EngineOptions, KvCacheDtype, SchedulerConfig, ServerState, Speculation};
 
 use crate::ModelArgs;
 
@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// KV-cache size in MiB (sets the number of blocks).
     #[arg(long, default_value_t = 1024)]
     kv_cache_mib: usize,
+    /// Element type of the KV cache (vLLM's option): `f32` (default) or `f16` (twice the
+    /// blocks in the same `--kv-cache-mib`, half the bytes a decode step reads; CPU only).
+    #[arg(long, default_value = "f32")]
+    kv_cache_dtype: KvCacheDtype,
     /// Most sequences per step.
     #[arg(long, default_value_t = 64)]
     max_num_seqs: usize,
@@ -109,7 +113,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let model = crate::runtime::load_llama(&ckpt, &device, args.max_model_len, args.model.lora.as_deref())
         .with_context(|| format!("loading weights from {}", args.model.model.display()))?;
     let cfg = &model.config;
-    let bytes_per_block = 2 * cfg.num_hidden_layers * args.block_size * cfg.num_key_value_heads * cfg.head_dim * 4;
+    let geometry = CacheShape {
+        n_layers: cfg.num_hidden_layers,
+        kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+        block_size: args.block_size,
+        num_blocks: 0,
+    };
+    let bytes_per_block = geometry.bytes_per_block(args.kv_cache_dtype);
     let num_blocks = (args.kv_cache_mib * 1024 * 1024 / bytes_per_block).max(1);
     let template = match tokenizer.chat_template() {
         Some(src) => Some(ChatTemplate::new(src).context("compiling the model's chat template")?),
@@ -121,6 +132,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let config = EngineConfig {
         block_size: args.block_size,
         num_blocks,
+        kv_cache_dtype: args.kv_cache_dtype,
         scheduler: SchedulerConfig { max_num_seqs: args.max_num_seqs, max_num_batched_tokens: args.max_num_batched_tokens },
         max_pending_requests: args.max_pending_requests,
         ..EngineConfig::default()

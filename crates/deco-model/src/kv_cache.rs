@@ -4,11 +4,37 @@ use std::collections::HashMap;
 
 use burn::tensor::{Tensor, TensorData};
 pub use deco_kernels::attention::SeqKv;
+use half::f16;
 
 use crate::{Error, Result};
 
 /// Identifies one sequence in a batch (a request, a beam, a sample).
 pub type SeqId = u64;
+
+/// A sequence's keys and values of one layer in host memory, in the element type its cache
+/// stores ([`KvCache::host_view`]): f32, or f16 (a paged cache built with an f16 dtype).
+#[derive(Debug, Clone, Copy)]
+pub enum HostKv<'a> {
+    /// f32 keys and values.
+    F32(SeqKv<'a, f32>),
+    /// IEEE binary16 keys and values (widened exactly by the attention kernel).
+    F16(SeqKv<'a, f16>),
+}
+
+impl HostKv<'_> {
+    /// Positions the view covers.
+    pub fn len(&self) -> usize {
+        match self {
+            HostKv::F32(s) => s.len,
+            HostKv::F16(s) => s.len,
+        }
+    }
+
+    /// Whether the view covers no position (never, for a view the caches return).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 /// Storage of the attention keys and values of every layer for a set of sequences.
 ///
@@ -77,7 +103,7 @@ pub trait KvCache: Send {
     /// The host storage of `seq` at `layer` for its first `len` positions (committed tokens plus
     /// the ones appended in the current forward), as the fused attention kernel reads it; `None`
     /// if the cache has no host storage for it (the default) or holds fewer than `len` positions.
-    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<SeqKv<'_>> {
+    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<HostKv<'_>> {
         let _ = (layer, seq, len);
         None
     }
@@ -318,11 +344,11 @@ impl KvCache for DenseKvCache {
         Ok(())
     }
 
-    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<SeqKv<'_>> {
+    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<HostKv<'_>> {
         match self.seqs.get(&seq)?.layers.get(layer)?.as_ref()? {
             LayerKv::Host { k, v, kv_heads, head_dim } => {
                 let n = len * kv_heads * head_dim;
-                (len > 0 && k.len() >= n).then(|| SeqKv { k: &k[..n], v: &v[..n], block_table: &[0], block_size: len, len })
+                (len > 0 && k.len() >= n).then(|| HostKv::F32(SeqKv { k: &k[..n], v: &v[..n], block_table: &[0], block_size: len, len }))
             }
             LayerKv::Device(..) => None,
         }
@@ -333,7 +359,7 @@ impl KvCache for DenseKvCache {
 mod tests {
     use burn::tensor::{Device, Tensor, TensorData};
 
-    use super::{DenseKvCache, KvCache};
+    use super::{DenseKvCache, HostKv, KvCache};
 
     fn t(vals: &[f32]) -> Tensor<3> {
         Tensor::from_data(TensorData::new(vals.to_vec(), [vals.len() / 2, 1, 2]), &Device::flex())
@@ -352,7 +378,7 @@ mod tests {
         c.advance(7, 2);
         assert!(c.host_view(0, 7, 2).is_none(), "device mode has no host view");
         c.append_host(0, 7, &[9., 10.], &[11., 12.], 1, 2).expect("host append");
-        let v = c.host_view(0, 7, 3).expect("view");
+        let Some(HostKv::F32(v)) = c.host_view(0, 7, 3) else { panic!("no f32 view") };
         assert_eq!((v.k, v.v, v.len), (&[1., 2., 3., 4., 9., 10.][..], &[5., 6., 7., 8., 11., 12.][..], 3));
         assert!(c.host_view(0, 7, 4).is_none(), "only 3 positions");
         // Not advanced: the next append replaces position 2.
@@ -363,8 +389,12 @@ mod tests {
         c.fork(7, 8).expect("fork");
         c.truncate(7, 1).expect("truncate");
         c.append_host(0, 7, &[0., 0.], &[0., 0.], 1, 2).expect("host append");
-        assert_eq!(c.host_view(0, 7, 2).expect("view").k, &[1., 2., 0., 0.]);
-        assert_eq!(c.host_view(0, 8, 3).expect("fork view").k, &[1., 2., 3., 4., 13., 14.]);
+        let f32_keys = |v: Option<HostKv<'_>>| match v {
+            Some(HostKv::F32(s)) => s.k.to_vec(),
+            other => panic!("expected an f32 view, got {other:?}"),
+        };
+        assert_eq!(f32_keys(c.host_view(0, 7, 2)), [1., 2., 0., 0.]);
+        assert_eq!(f32_keys(c.host_view(0, 8, 3)), [1., 2., 3., 4., 13., 14.]);
         assert!(c.append_host(0, 7, &[0.; 3], &[0.; 3], 1, 2).is_err(), "ragged rows");
         assert!(c.append_host(0, 7, &[0.; 4], &[0.; 4], 2, 2).is_err(), "other kv_heads");
         assert!(c.append_host(1, 7, &[0.; 2], &[0.; 2], 1, 2).is_err(), "layer out of range");

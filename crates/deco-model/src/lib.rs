@@ -23,6 +23,6 @@ pub mod kv_cache;
 pub mod llama;
 
 pub use error::{Error, Result};
-pub use kv_cache::{DenseKvCache, DeviceKv, KvCache, SeqId};
+pub use kv_cache::{DenseKvCache, DeviceKv, HostKv, KvCache, SeqId};
 pub use decoder::TensorSource;
 pub use llama::{ForwardOutput, Llama, LogitsWanted, SeqInput, WeightStorage};

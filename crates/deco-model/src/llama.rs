@@ -15,7 +15,7 @@ use deco_kernels::quant::{BlockType, PackedMatrix};
 
 use crate::decoder::{Attend, Branch, DecoderLayer, LinearWeight, NoHook, Pass, TensorSource, causal_gqa_attention, config_inv_freq, fetch_checked, gpu_kernels, rms_norm};
 use crate::host::{to_host, to_host_rows};
-use crate::kv_cache::{KvCache, SeqId};
+use crate::kv_cache::{HostKv, KvCache, SeqId};
 use crate::{Error, Result};
 
 /// One sequence's new tokens in a batched forward. Their positions continue the sequence's cache:
@@ -667,8 +667,19 @@ impl Llama {
                 .collect()
         };
         let mut out = vec![0.0f32; views.len() * qrow];
-        paged_decode_attention(&qd, AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd }, &views, &mut out)
-            .map_err(|e| Error::InvalidInput(format!("fused attention: {e}")))?;
+        let shape = AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd };
+        // One cache, one element type: the views are all f32 or all f16.
+        let f32_views: Vec<_> = views.iter().filter_map(|v| if let HostKv::F32(s) = v { Some(*s) } else { None }).collect();
+        let done = if f32_views.len() == views.len() {
+            paged_decode_attention(&qd, shape, &f32_views, &mut out)
+        } else {
+            let f16_views: Vec<_> = views.iter().filter_map(|v| if let HostKv::F16(s) = v { Some(*s) } else { None }).collect();
+            if f16_views.len() != views.len() {
+                return Err(Error::InvalidInput("fused attention: the KV cache returned views of two element types".into()));
+            }
+            paged_decode_attention(&qd, shape, &f16_views, &mut out)
+        };
+        done.map_err(|e| Error::InvalidInput(format!("fused attention: {e}")))?;
         let fused_out = Tensor::from_data(TensorData::new(out, [views.len(), qrow]), &self.device);
         Ok(interleave(burn_out, &batch.spans, Some(fused_out)))
     }

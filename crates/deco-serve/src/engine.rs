@@ -48,7 +48,7 @@ use deco_generate::{
     MedusaTree, Op, Role, SeqRows, Speculative, StepMachine, TypicalAcceptance,
 };
 
-use crate::paged_cache::{CacheShape, PagedKvCache};
+use crate::paged_cache::{CacheShape, KvCacheDtype, PagedKvCache};
 use crate::structured::Constraint;
 use crate::scheduler::{SchedSeq, Scheduler, SchedulerConfig};
 use crate::{Error, Result};
@@ -62,6 +62,9 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// KV blocks in the pool.
     pub num_blocks: usize,
+    /// Element type of the cached keys and values (f32 by default; f16 on the CPU halves the
+    /// cache's memory and the bytes a decode step reads).
+    pub kv_cache_dtype: KvCacheDtype,
     /// Scheduler limits.
     pub scheduler: SchedulerConfig,
     /// Most requests admitted and not finished (running plus queued); beyond it
@@ -76,6 +79,7 @@ impl Default for EngineConfig {
         Self {
             block_size: 16,
             num_blocks: 2048,
+            kv_cache_dtype: KvCacheDtype::F32,
             scheduler: SchedulerConfig::default(),
             max_pending_requests: 512,
             max_n: 16,
@@ -355,6 +359,8 @@ pub struct Metrics {
     pub kv_blocks_total: AtomicUsize,
     /// Tokens per KV block.
     pub block_size: AtomicUsize,
+    /// Whether the KV cache stores f16 (`cache_dtype` `float16`) rather than f32.
+    pub kv_cache_f16: AtomicBool,
     /// Tokens generated.
     pub generation_tokens: AtomicU64,
     /// Prompt tokens computed (excluding prefix-cache hits and counting recomputation).
@@ -501,8 +507,9 @@ impl Metrics {
             vput(name, "histogram", help, &series);
         }
         let info = format!(
-            "{{{labels},block_size=\"{}\",num_gpu_blocks=\"{total}\",cache_dtype=\"float32\",enable_prefix_caching=\"True\"}}",
-            g(&self.block_size)
+            "{{{labels},block_size=\"{}\",num_gpu_blocks=\"{total}\",cache_dtype=\"{}\",enable_prefix_caching=\"True\"}}",
+            g(&self.block_size),
+            if self.kv_cache_f16.load(Ordering::Relaxed) { KvCacheDtype::F16 } else { KvCacheDtype::F32 }.name()
         );
         vput("cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", &[(info, "1".to_string())]);
         out
@@ -956,7 +963,7 @@ pub fn spawn_engine_opts(
                 block_size: config.block_size,
                 num_blocks: config.num_blocks,
             };
-            let cache = PagedKvCache::new(shape, d.model.device())?;
+            let cache = PagedKvCache::with_dtype(shape, config.kv_cache_dtype, d.model.device())?;
             Some(DraftRunner { model: d.model, num_layers: d.num_layers, cache, next_seq: 1 })
         }
     };
@@ -979,12 +986,13 @@ pub fn spawn_engine_opts(
         block_size: config.block_size,
         num_blocks: config.num_blocks,
     };
-    let cache = PagedKvCache::new(shape, model.device())?;
+    let cache = PagedKvCache::with_dtype(shape, config.kv_cache_dtype, model.device())?;
     let (tx, rx) = mpsc::channel();
     let metrics = Arc::new(Metrics::default());
     metrics.kv_blocks_total.store(config.num_blocks, Ordering::Relaxed);
     metrics.kv_blocks_free.store(config.num_blocks, Ordering::Relaxed);
     metrics.block_size.store(config.block_size, Ordering::Relaxed);
+    metrics.kv_cache_f16.store(config.kv_cache_dtype == KvCacheDtype::F16, Ordering::Relaxed);
     let handle = EngineHandle {
         tx,
         next_id: Arc::new(AtomicU64::new(1)),

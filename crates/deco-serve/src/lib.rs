@@ -27,7 +27,7 @@ pub mod tools;
 pub use block_pool::{BlockId, BlockPool, PrefixKey};
 pub use engine::{DraftModel, EngineConfig, EngineEvent, EngineHandle, EngineOptions, GenerateRequest, Histogram, LatencyHistograms, MedusaSetting, Metrics, Speculation, Strategy, TokenInfo, spawn_engine, spawn_engine_opts, spawn_engine_with};
 pub use error::{Error, Result};
-pub use paged_cache::{CacheShape, PagedKvCache};
+pub use paged_cache::{CacheShape, KvCacheDtype, PagedKvCache};
 pub use scheduler::{Chunk, SchedSeq, Scheduler, SchedulerConfig, StepPlan, TreeTail};
 pub use structured::{Constraint, Grammars, OutputConstraint};
 pub use server::{ApiError, PreparedRequest, Readiness, RequestContext, ServerState, prepare_chat, prepare_completion, router, router_with, serve, serve_with, shutdown_signal};

@@ -2,12 +2,13 @@
 //!
 //! # Layout
 //! Keys and values of every layer live in one host buffer each,
-//! `[num_blocks, block_size, kv_heads, head_dim]` f32 (vLLM's block layout without the
-//! x-packing). A sequence owns a *block table*: `table[i]` is the block holding its positions
+//! `[num_blocks, block_size, kv_heads, head_dim]` of f32, or of f16 with
+//! [`KvCacheDtype::F16`] (vLLM's block layout without the x-packing; llama.cpp's default KV
+//! type is f16 too: half the memory and half the bytes a decode step reads). A sequence owns a *block table*: `table[i]` is the block holding its positions
 //! `i * block_size .. (i + 1) * block_size`. Position `p` of a sequence is at
 //! `(table[p / block_size], p % block_size)`. A paged-attention kernel can read keys and values
-//! directly from the buffers given [`PagedKvCache::block_table`], [`PagedKvCache::layer_kv`]
-//! and the sequence length.
+//! directly from the buffers given [`PagedKvCache::block_table`] and the sequence length
+//! ([`KvCache::host_view`]).
 //!
 //! On a GPU device (features `wgpu` / `cuda` of deco-model) the same blocks live in device
 //! memory instead, one `[num_blocks · block_size, kv_heads · head_dim]` tensor per layer and
@@ -38,9 +39,13 @@
 
 use std::collections::HashMap;
 
+use std::ops::Range;
+
 use burn::tensor::{Device, Tensor, TensorData};
 use deco_model::kv_cache::SeqKv;
-use deco_model::{KvCache, SeqId};
+use deco_model::{HostKv, KvCache, SeqId};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::block_pool::{BlockId, BlockPool, PrefixKey};
 use crate::{Error, Result};
@@ -62,9 +67,97 @@ pub struct CacheShape {
 
 impl CacheShape {
     /// Bytes of key and value storage per block over all layers: `2 * n_layers * block_size *
-    /// kv_heads * head_dim * 4`.
-    pub fn bytes_per_block(&self) -> usize {
-        2 * self.n_layers * self.block_size * self.kv_heads * self.head_dim * 4
+    /// kv_heads * head_dim * dtype.bytes()`.
+    pub fn bytes_per_block(&self, dtype: KvCacheDtype) -> usize {
+        2 * self.n_layers * self.block_size * self.kv_heads * self.head_dim * dtype.bytes()
+    }
+}
+
+/// Element type of the cached keys and values (vLLM's `--kv-cache-dtype`, llama.cpp's
+/// `--cache-type-k` / `--cache-type-v`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvCacheDtype {
+    /// f32: the keys and values exactly as the model computed them (the default).
+    #[default]
+    F32,
+    /// IEEE binary16, rounded to nearest even on write (values beyond ±65504 become infinite,
+    /// as in llama.cpp's f16 cache): half the memory and half the bytes a decode step reads.
+    /// The attention kernel widens them exactly, so attention is the f32 computation on the
+    /// rounded keys and values. Host (CPU) cache only.
+    F16,
+}
+
+impl KvCacheDtype {
+    /// Bytes per cached value.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvCacheDtype::F32 => 4,
+            KvCacheDtype::F16 => 2,
+        }
+    }
+
+    /// The name in vLLM's `cache_dtype` metric label and deco's option: `float32`, `float16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::F32 => "float32",
+            KvCacheDtype::F16 => "float16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = Error;
+
+    /// `f32` / `float32` / `auto` (the model's f32), `f16` / `float16` / `half`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" | "float32" | "auto" => Ok(KvCacheDtype::F32),
+            "f16" | "float16" | "half" => Ok(KvCacheDtype::F16),
+            other => Err(Error::InvalidRequest(format!("KV cache dtype `{other}`: use f32 (auto) or f16"))),
+        }
+    }
+}
+
+/// One layer's key or value blocks on the host, in the cache's element type.
+#[derive(Debug)]
+enum KvBuf {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl KvBuf {
+    fn zeros(dtype: KvCacheDtype, n: usize) -> Self {
+        match dtype {
+            KvCacheDtype::F32 => KvBuf::F32(vec![0.0; n]),
+            KvCacheDtype::F16 => KvBuf::F16(vec![f16::ZERO; n]),
+        }
+    }
+
+    /// Stores `x` at element `off` (rounded to f16 for an f16 buffer).
+    fn write(&mut self, off: usize, x: &[f32]) {
+        match self {
+            KvBuf::F32(b) => b[off..off + x.len()].copy_from_slice(x),
+            KvBuf::F16(b) => b[off..off + x.len()].convert_from_f32_slice(x),
+        }
+    }
+
+    /// Appends elements `r` to `out` as f32 (exact).
+    fn read_into(&self, r: Range<usize>, out: &mut Vec<f32>) {
+        match self {
+            KvBuf::F32(b) => out.extend_from_slice(&b[r]),
+            KvBuf::F16(b) => {
+                let start = out.len();
+                out.resize(start + r.len(), 0.0);
+                b[r].convert_to_f32_slice(&mut out[start..]);
+            }
+        }
+    }
+
+    fn copy_within(&mut self, src: Range<usize>, dst: usize) {
+        match self {
+            KvBuf::F32(b) => b.copy_within(src, dst),
+            KvBuf::F16(b) => b.copy_within(src, dst),
+        }
     }
 }
 
@@ -86,8 +179,9 @@ pub struct PagedKvCache {
     pool: BlockPool,
     /// Per layer, `[num_blocks, block_size, kv_heads, head_dim]` on the host (empty when the
     /// blocks live on the device).
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    k: Vec<KvBuf>,
+    v: Vec<KvBuf>,
+    dtype: KvCacheDtype,
     /// Per layer, `[num_blocks · block_size, kv_heads · head_dim]` in device memory, on a GPU
     /// device (features `wgpu` / `cuda`); empty on the CPU.
     dk: Vec<Tensor<2>>,
@@ -110,16 +204,31 @@ fn model_err(e: Error) -> deco_model::Error {
 }
 
 impl PagedKvCache {
-    /// An empty cache; storage for all blocks is allocated up front (zeroed pages are committed
-    /// by the OS on first write).
+    /// An empty f32 cache; storage for all blocks is allocated up front (zeroed pages are
+    /// committed by the OS on first write).
     ///
     /// # Errors
     /// [`Error::InvalidRequest`] for a zero dimension or an oversized pool.
     pub fn new(shape: CacheShape, device: &Device) -> Result<Self> {
+        Self::with_dtype(shape, KvCacheDtype::F32, device)
+    }
+
+    /// An empty cache of keys and values stored as `dtype`.
+    ///
+    /// # Errors
+    /// As [`PagedKvCache::new`], and [`Error::InvalidRequest`] for [`KvCacheDtype::F16`] on a
+    /// GPU device (its paged kernel reads f32 blocks).
+    pub fn with_dtype(shape: CacheShape, dtype: KvCacheDtype, device: &Device) -> Result<Self> {
         if shape.block_size == 0 || shape.kv_heads == 0 || shape.head_dim == 0 || shape.n_layers == 0 {
             return Err(Error::InvalidRequest(format!("invalid cache shape {shape:?}")));
         }
         let on_device = deco_model::decoder::gpu_kernels(device);
+        if on_device && dtype != KvCacheDtype::F32 {
+            return Err(Error::InvalidRequest(format!(
+                "a {} KV cache is for the CPU; on a GPU device the paged blocks are float32",
+                dtype.name()
+            )));
+        }
         let per_layer = if on_device { 0 } else { shape.num_blocks * shape.block_size * shape.kv_heads * shape.head_dim };
         let rows = shape.num_blocks * shape.block_size;
         let tf = shape.kv_heads * shape.head_dim;
@@ -127,8 +236,9 @@ impl PagedKvCache {
         Ok(Self {
             shape,
             pool: BlockPool::new(shape.num_blocks)?,
-            k: (0..shape.n_layers).map(|_| vec![0.0; per_layer]).collect(),
-            v: (0..shape.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            k: (0..shape.n_layers).map(|_| KvBuf::zeros(dtype, per_layer)).collect(),
+            v: (0..shape.n_layers).map(|_| KvBuf::zeros(dtype, per_layer)).collect(),
+            dtype,
             dk: (0..dev_layers).map(|_| Tensor::zeros([rows, tf], device)).collect(),
             dv: (0..dev_layers).map(|_| Tensor::zeros([rows, tf], device)).collect(),
             seqs: HashMap::new(),
@@ -193,6 +303,11 @@ impl PagedKvCache {
         self.shape
     }
 
+    /// The element type of the cached keys and values.
+    pub fn dtype(&self) -> KvCacheDtype {
+        self.dtype
+    }
+
     /// The block pool (counts, prefix-cache size).
     pub fn pool(&self) -> &BlockPool {
         &self.pool
@@ -208,14 +323,6 @@ impl PagedKvCache {
         self.seqs.get(&seq).map_or(&[], |s| s.table.as_slice())
     }
 
-    /// Key and value storage of `layer`, each `[num_blocks, block_size, kv_heads, head_dim]`
-    /// row-major (for a paged-attention kernel).
-    pub fn layer_kv(&self, layer: usize) -> Option<(&[f32], &[f32])> {
-        if self.on_device() {
-            return None;
-        }
-        Some((self.k.get(layer)?.as_slice(), self.v.get(layer)?.as_slice()))
-    }
 
     fn token_floats(&self) -> usize {
         self.shape.kv_heads * self.shape.head_dim
@@ -447,8 +554,8 @@ impl PagedKvCache {
         for t in 0..n {
             let p = len + t;
             let off = (table[p / bs] as usize * bs + p % bs) * tf;
-            kl[off..off + tf].copy_from_slice(&k[t * tf..(t + 1) * tf]);
-            vl[off..off + tf].copy_from_slice(&v[t * tf..(t + 1) * tf]);
+            kl.write(off, &k[t * tf..(t + 1) * tf]);
+            vl.write(off, &v[t * tf..(t + 1) * tf]);
         }
         Ok(len + n)
     }
@@ -464,8 +571,8 @@ impl PagedKvCache {
         for (i, &b) in table.iter().enumerate().take(total.div_ceil(bs)) {
             let rows = bs.min(total - i * bs);
             let off = b as usize * bs * tf;
-            ko.extend_from_slice(&kl[off..off + rows * tf]);
-            vo.extend_from_slice(&vl[off..off + rows * tf]);
+            kl.read_into(off..off + rows * tf, &mut ko);
+            vl.read_into(off..off + rows * tf, &mut vo);
         }
         Ok((ko, vo))
     }
@@ -582,7 +689,7 @@ impl KvCache for PagedKvCache {
         Ok(())
     }
 
-    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<SeqKv<'_>> {
+    fn host_view(&self, layer: usize, seq: SeqId, len: usize) -> Option<HostKv<'_>> {
         if self.on_device() {
             return None;
         }
@@ -591,12 +698,10 @@ impl KvCache for PagedKvCache {
         if len == 0 || s.table.len() * bs < len {
             return None;
         }
-        Some(SeqKv {
-            k: self.k.get(layer)?,
-            v: self.v.get(layer)?,
-            block_table: &s.table,
-            block_size: bs,
-            len,
+        Some(match (self.k.get(layer)?, self.v.get(layer)?) {
+            (KvBuf::F32(k), KvBuf::F32(v)) => HostKv::F32(SeqKv { k, v, block_table: &s.table, block_size: bs, len }),
+            (KvBuf::F16(k), KvBuf::F16(v)) => HostKv::F16(SeqKv { k, v, block_table: &s.table, block_size: bs, len }),
+            _ => return None,
         })
     }
 

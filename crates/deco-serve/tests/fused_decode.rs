@@ -83,7 +83,8 @@ fn cache_diff(a: &dyn KvCache, b: &dyn KvCache, layers: usize, seq: u64) -> f32 
 }
 
 /// The `len` rows of a host view in position order.
-fn flat_paged(s: &deco_model::kv_cache::SeqKv<'_>, k: bool) -> Vec<f32> {
+fn flat_paged(s: &deco_model::HostKv<'_>, k: bool) -> Vec<f32> {
+    let deco_model::HostKv::F32(s) = s else { panic!("these caches store f32") };
     // Row size from the model: SmolLM2 has 3 kv heads of 64.
     let row = 3 * 64;
     let src = if k { s.k } else { s.v };
@@ -137,4 +138,59 @@ fn fused_decode_logits_equal_reference_path() {
         }
         paged_fused.check_consistency().expect("consistent");
     }
+}
+
+/// An f16 paged cache (`KvCacheDtype::F16`) holds exactly the f16 rounding of the keys and
+/// values the f32 cache holds where their inputs agree (layer 0, whose keys depend on the
+/// embeddings only); its logits stay within 0.05 of the f32 cache's, with the same greedy
+/// tokens on this schedule, through the fused kernel (which widens the blocks in registers) and
+/// through the burn path (which gathers them back to f32).
+#[test]
+fn f16_cache_rounds_keys_and_values_and_stays_close() {
+    use deco_serve::KvCacheDtype;
+    use half::f16;
+    let device = Device::default();
+    let ckpt = Checkpoint::open(deco_tests::smollm2_gguf()).expect("open model");
+    let fused = Llama::load(&ckpt, &device, Some(512)).expect("load model");
+    let mut reference = fused.clone();
+    reference.set_fused_decode_attention(false);
+    let steps = schedule(&reference);
+    let n_layers = fused.num_layers();
+    let shape = CacheShape { n_layers, kv_heads: 3, head_dim: 64, block_size: 4, num_blocks: 128 };
+    let mut c32 = PagedKvCache::new(shape, &device).expect("cache");
+    let mut c16 = PagedKvCache::with_dtype(shape, KvCacheDtype::F16, &device).expect("cache");
+    let mut c16_ref = PagedKvCache::with_dtype(shape, KvCacheDtype::F16, &device).expect("cache");
+    assert_eq!(c16.dtype(), KvCacheDtype::F16);
+    let l32 = run(&fused, &mut c32, &steps);
+    let l16 = run(&fused, &mut c16, &steps);
+    let l16_ref = run(&reference, &mut c16_ref, &steps);
+    // Tiny f32 differences between the two attention paths flip f16 roundings of later layers'
+    // keys (one f16 step, ~1e-3 relative), so the paths agree to f16 precision, not to 1e-4.
+    for (what, other) in [("f32 cache", &l32), ("f16 cache, burn path", &l16_ref)] {
+        let mut worst = 0.0f32;
+        for (a, b) in l16.iter().flatten().zip(other.iter().flatten()) {
+            worst = worst.max(max_abs_diff(a, b));
+            assert_eq!(argmax(a), argmax(b), "greedy token of the f16 cache differs from the {what}'s");
+        }
+        eprintln!("f16 cache (fused) vs {what}: max |logit diff| {worst}");
+        assert!(worst < 0.05, "f16 cache vs {what}: a logit moved by {worst}");
+    }
+    for seq in 0..4u64 {
+        let len = c32.seq_len(seq);
+        let (Some(deco_model::HostKv::F32(a)), Some(deco_model::HostKv::F16(b))) = (c32.host_view(0, seq, len), c16.host_view(0, seq, len)) else {
+            panic!("sequence {seq}: expected an f32 and an f16 view");
+        };
+        for p in 0..len {
+            for (x, y) in [(a.k, b.k), (a.v, b.v)] {
+                let (ox, oy) = ((a.block_table[p / 4] as usize * 4 + p % 4) * 192, (b.block_table[p / 4] as usize * 4 + p % 4) * 192);
+                for i in 0..192 {
+                    assert_eq!(f16::from_f32(x[ox + i]).to_bits(), y[oy + i].to_bits(), "sequence {seq} position {p} value {i}");
+                }
+            }
+        }
+    }
+    c16.check_consistency().expect("consistent");
+    assert!("f16".parse::<KvCacheDtype>().is_ok_and(|d| d == KvCacheDtype::F16));
+    let err = "int4".parse::<KvCacheDtype>().expect_err("unknown dtype");
+    assert!(err.to_string().contains("int4"), "{err}");
 }
