@@ -32,6 +32,8 @@ struct Cli {
     command: Command,
 }
 
+// One value per process, parsed once: boxing the large argument structs buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Generate text from a prompt, streaming it to stdout.
