@@ -22,6 +22,65 @@ pub fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
     x.mul(inv).mul(weight.clone().unsqueeze_dim::<2>(0))
 }
 
+/// [`rms_norm`] of host rows, one pass per row: `out = (x · inv) · weight` with
+/// `inv = 1 / sqrt(Σ x² / hidden + eps)`, each step rounded to f32 as in the tensor composition;
+/// the sum of squares is taken over 8 interleaved f32 partial sums, added in a fixed order (the
+/// same bits whatever the instruction set the compiler picks, but not the same bits as the
+/// tensor composition's own reduction order: the two differ by f32 rounding, ~1e-7 relative).
+/// A row does not depend on the other rows (batch invariance). Long inputs are split over the
+/// forward pass's thread team ([`crate::team::par_chunks_mut`]) by whole rows.
+///
+/// # Shapes
+/// - `x`, `out`: `[tokens, hidden]` row-major
+/// - `weight`: `[hidden]`
+///
+/// # Errors
+/// [`Error::Length`] if `weight` is empty, `x` is not whole rows of `weight.len()` values, or
+/// `out` differs from `x` in length. Nothing is written on error.
+pub fn rms_norm_host(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) -> Result<()> {
+    let h = weight.len();
+    if h == 0 || !x.len().is_multiple_of(h) {
+        return Err(Error::Length { what: "rms_norm x (whole rows of the weight)", expected: x.len().next_multiple_of(h.max(1)), actual: x.len() });
+    }
+    if out.len() != x.len() {
+        return Err(Error::Length { what: "rms_norm out", expected: x.len(), actual: out.len() });
+    }
+    let eps = eps as f32;
+    let row = |xr: &[f32], or: &mut [f32]| {
+        let mut acc = [0.0f32; 8];
+        let mut chunks = xr.chunks_exact(8);
+        for c in &mut chunks {
+            for (a, v) in acc.iter_mut().zip(c) {
+                *a += v * v;
+            }
+        }
+        for (a, v) in acc.iter_mut().zip(chunks.remainder()) {
+            *a += v * v;
+        }
+        let sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        let inv = 1.0 / (sum / h as f32 + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = (v * inv) * w;
+        }
+    };
+    // Below ~64K values the team's hand-off costs more than the rows.
+    const PARALLEL_MIN: usize = 1 << 16;
+    if x.len() >= PARALLEL_MIN {
+        let rows_per_task = (PARALLEL_MIN / 4 / h).max(1);
+        crate::team::par_chunks_mut(out, rows_per_task * h, |i, oc| {
+            let xc = &x[i * rows_per_task * h..][..oc.len()];
+            for (xr, or) in xc.chunks_exact(h).zip(oc.chunks_exact_mut(h)) {
+                row(xr, or);
+            }
+        });
+    } else {
+        for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+            row(xr, or);
+        }
+    }
+    Ok(())
+}
+
 /// SwiGLU feed-forward activation (Shazeer 2020): `silu(gate) * up`.
 ///
 /// # Shapes
@@ -297,5 +356,49 @@ mod tests {
             assert!(matches!(table.apply_host(&mut untouched, heads, &far), Err(Error::Incompatible(_))));
             assert_eq!(untouched, x, "nothing written on error");
         }
+    }
+
+    /// The host RMSNorm against an f64 evaluation of the formula (relative error of a few f32
+    /// roundings), against the tensor composition (f32 rounding apart), row by row the same
+    /// bits alone as in a batch, on the team's parallel path too; bad lengths are refused.
+    #[test]
+    fn rms_norm_host_matches_f64_and_the_composition() {
+        let dev = Device::flex();
+        let mut state = 0x1234_5677u32;
+        let mut rnd = move || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state as f32 / u32::MAX as f32 - 0.5
+        };
+        for (n, h) in [(1usize, 576usize), (3, 13), (200, 576), (2, 1536)] {
+            let x: Vec<f32> = (0..n * h).map(|i| rnd() * if i % 7 == 0 { 40.0 } else { 2.0 }).collect();
+            let w: Vec<f32> = (0..h).map(|_| 1.0 + rnd()).collect();
+            let eps = 1e-5;
+            let mut got = vec![0.0f32; n * h];
+            rms_norm_host(&x, &w, eps, &mut got).expect("valid");
+            let composed: Vec<f32> = rms_norm(Tensor::from_data(TensorData::new(x.clone(), [n, h]), &dev), &Tensor::from_data(TensorData::new(w.clone(), [h]), &dev), eps)
+                .try_into_vec_as::<f32>()
+                .expect("f32");
+            for r in 0..n {
+                let xr = &x[r * h..(r + 1) * h];
+                let ms = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / h as f64;
+                let inv = 1.0 / (ms + eps).sqrt();
+                for i in 0..h {
+                    let want = f64::from(xr[i]) * inv * f64::from(w[i]);
+                    let g = f64::from(got[r * h + i]);
+                    assert!((g - want).abs() <= 4e-7 * want.abs() + 1e-30, "n {n} h {h} row {r} col {i}: {g} vs {want}");
+                    let c = f64::from(composed[r * h + i]);
+                    assert!((g - c).abs() <= 4e-7 * c.abs() + 1e-30, "vs composition: {g} vs {c}");
+                }
+                let mut alone = vec![0.0f32; h];
+                rms_norm_host(xr, &w, eps, &mut alone).expect("valid");
+                assert!(alone.iter().zip(&got[r * h..]).all(|(a, b)| a.to_bits() == b.to_bits()), "row {r} differs alone");
+            }
+        }
+        let mut out = vec![0.0f32; 5];
+        assert!(matches!(rms_norm_host(&[1.0; 5], &[1.0; 2], 1e-5, &mut out), Err(Error::Length { .. })));
+        assert!(matches!(rms_norm_host(&[1.0; 4], &[1.0; 2], 1e-5, &mut out), Err(Error::Length { .. })));
+        assert!(matches!(rms_norm_host(&[], &[], 1e-5, &mut []), Err(Error::Length { .. })));
     }
 }

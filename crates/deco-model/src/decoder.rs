@@ -641,15 +641,27 @@ pub fn rope(table: &RopeTable, x: Tensor<3>, positions: &Tensor<1, Int>) -> Tens
     table.apply(x, positions)
 }
 
-/// RMSNorm of every row (Zhang & Sennrich 2019): `deco_kernels::ops::rms_norm`, or its fused
-/// CubeCL kernel on a GPU device without autodiff. Shapes: `x` `[tokens, hidden]`, `weight`
-/// `[hidden]`.
+/// RMSNorm of every row (Zhang & Sennrich 2019): `deco_kernels::ops::rms_norm`, its fused
+/// CubeCL kernel on a GPU device without autodiff, or on the CPU (`Flex`) without autodiff
+/// `deco_kernels::ops::rms_norm_host` (one pass per row instead of seven tensor operations,
+/// each allocating its output, on the calling thread of a decode step while the team waits; the
+/// same values up to f32 rounding of the sum of squares). Shapes: `x` `[tokens, hidden]`,
+/// `weight` `[hidden]`.
 pub fn rms_norm(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     if on_kernel_device(&x)
         && let Ok(y) = deco_kernels::cube::rms_norm(x.clone(), weight, eps)
     {
         return y;
+    }
+    let device = x.device();
+    if device == Device::flex() && !device.is_autodiff() {
+        let [n, h] = x.dims();
+        let mut out = vec![0.0f32; n * h];
+        let done = crate::host::with_host(&x, |xs| crate::host::with_host(weight, |ws| deco_kernels::ops::rms_norm_host(xs, ws, eps, &mut out)));
+        if let Ok(Ok(Ok(()))) = done {
+            return Tensor::from_data(TensorData::new(out, [n, h]), &device);
+        }
     }
     deco_kernels::ops::rms_norm(x, weight, eps)
 }
