@@ -7,7 +7,16 @@ use std::cmp::Ordering;
 
 /// Largest logit of the row (NaN entries are ignored); `-inf` for an empty or all-`-inf` row.
 pub fn max_logit(logits: &[f32]) -> f32 {
-    logits.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    // 16 independent running maxima (vectorized by the compiler), then their maximum: the
+    // maximum of a set does not depend on the order, and `f32::max` skips NaN in every lane.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = logits.chunks_exact(16);
+    for c in &mut chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l = l.max(x);
+        }
+    }
+    lanes.iter().chain(chunks.remainder()).copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// Index of the largest logit; ties go to the lowest token id. `None` when the row is empty or
@@ -16,17 +25,13 @@ pub fn max_logit(logits: &[f32]) -> f32 {
 /// This is the greedy rule of every decoder in this crate (Hugging Face's `argmax`,
 /// llama.cpp's `llama_sampler_init_greedy` both return the first maximum).
 pub fn argmax(logits: &[f32]) -> Option<usize> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &x) in logits.iter().enumerate() {
-        if x.is_nan() || x == f32::NEG_INFINITY {
-            continue;
-        }
-        match best {
-            Some((_, b)) if x <= b => {}
-            _ => best = Some((i, x)),
-        }
+    // The maximum first (a vectorized pass), then its first position: the lowest id among the
+    // ties, never a NaN (NaN equals nothing) nor `-inf` (excluded by the check).
+    let m = max_logit(logits);
+    if m == f32::NEG_INFINITY {
+        return None;
     }
-    best.map(|(i, _)| i)
+    logits.iter().position(|&x| x == m)
 }
 
 /// `ln(sum_i exp(logits[i]))` computed stably: the max is subtracted, each term is an `f32`
@@ -43,11 +48,23 @@ pub fn log_sum_exp(logits: &[f32]) -> f64 {
 
 /// `sum_i exp(logits[i] - m)` with `f32` terms and an `f64` accumulator (NaN entries skipped).
 pub(crate) fn sum_exp_shifted(logits: &[f32], m: f32) -> f64 {
-    logits
-        .iter()
-        .filter(|x| !x.is_nan())
-        .map(|&x| f64::from((x - m).exp()))
-        .sum()
+    // The exponentials of a piece first, then their sum in row order: the same terms added in
+    // the same order as one fused loop, but the running sum is not saved and restored around
+    // every `expf` call.
+    const PIECE: usize = 256;
+    let mut e = [0.0f32; PIECE];
+    let mut total = 0.0f64;
+    for c in logits.chunks(PIECE) {
+        for (ei, &x) in e.iter_mut().zip(c) {
+            *ei = (x - m).exp();
+        }
+        for (&ei, &x) in e.iter().zip(c) {
+            if !x.is_nan() {
+                total += f64::from(ei);
+            }
+        }
+    }
+    total
 }
 
 /// Softmax of the row: `p_i = exp(l_i) / sum_j exp(l_j)`, same length as the input.

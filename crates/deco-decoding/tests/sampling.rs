@@ -261,6 +261,35 @@ fn logprobs_processed_and_raw() {
     assert!(out.logprobs.is_none() && out.logprob.is_finite());
 }
 
+/// A greedy sampler told to skip the chosen token's logprob picks the same token (the first
+/// maximum, after the processors) with a NaN logprob; with `logprobs` requested, or sampling,
+/// the setting is ignored and the logprob is the processed one.
+#[test]
+fn greedy_without_chosen_logprob() {
+    let rows: [&[f32]; 4] = [&[0.1, 3.0, 3.0, -1.0], &[f32::NEG_INFINITY, -2.0, -2.5], &[5.0], &[-1.0, 0.0, -0.0, 0.0]];
+    for row in rows {
+        for extra in ["", r#", "repetition_penalty": 1.3"#] {
+            let p = params(&format!(r#"{{"temperature": 0{extra}}}"#));
+            let ctx = ProcessContext::new(&[0], &[], &[]);
+            let (mut a, mut b) = (Sampler::new(&p).unwrap(), Sampler::new(&p).unwrap());
+            b.set_chosen_logprob(false);
+            let (mut la, mut lb) = (row.to_vec(), row.to_vec());
+            let (oa, ob) = (a.sample(&ctx, &mut la).unwrap(), b.sample(&ctx, &mut lb).unwrap());
+            assert_eq!(oa.token, ob.token, "{row:?}{extra}");
+            assert!(oa.logprob.is_finite() && ob.logprob.is_nan() && ob.logprobs.is_none());
+        }
+    }
+    let mut all_neg = Sampler::new(&params(r#"{"temperature": 0}"#)).unwrap();
+    all_neg.set_chosen_logprob(false);
+    assert!(all_neg.sample(&ProcessContext::default(), &mut [f32::NEG_INFINITY; 3]).is_err());
+    for p in [r#"{"temperature": 0, "logprobs": 2}"#, r#"{"temperature": 0.7, "seed": 3}"#] {
+        let mut s = Sampler::new(&params(p)).unwrap();
+        s.set_chosen_logprob(false);
+        let out = s.sample(&ProcessContext::default(), &mut [0.0f32, 1.0, 2.0]).unwrap();
+        assert!(out.logprob.is_finite(), "{p}: the logprob is still computed");
+    }
+}
+
 #[test]
 fn bad_rows_are_errors() {
     let mut s = Sampler::new(&params(r#"{"seed": 1}"#)).unwrap();

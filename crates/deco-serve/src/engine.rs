@@ -412,6 +412,14 @@ pub struct Metrics {
 }
 
 /// A Prometheus label value with `\`, `"` and newlines escaped.
+/// A request's sampler; without `logprobs` a greedy one skips the chosen token's log-probability,
+/// which nothing returns then ([`Sampler::set_chosen_logprob`]).
+fn engine_sampler(params: &SamplingParams) -> Result<Sampler> {
+    let mut sampler = Sampler::new(params)?;
+    sampler.set_chosen_logprob(params.logprobs.is_some());
+    Ok(sampler)
+}
+
 fn label_value(v: &str) -> String {
     v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
@@ -1070,11 +1078,7 @@ impl Engine {
                 let use_heads = req.uses_heads(self.autodeco.is_some());
                 let params = req.params;
                 let make = || -> Result<(StoppingCriteria, Sampler, StopStringMatcher)> {
-                    Ok((
-                        StoppingCriteria::from_params(&params, &self.eos)?,
-                        Sampler::new(&params)?,
-                        StopStringMatcher::from_params(&params)?,
-                    ))
+                    Ok((StoppingCriteria::from_params(&params, &self.eos)?, engine_sampler(&params)?, StopStringMatcher::from_params(&params)?))
                 };
                 let (stopping, sampler, matcher) = match make() {
                     Ok(x) => x,
@@ -1391,7 +1395,7 @@ impl Engine {
                     p.seed = params.seed.map(|s| s.wrapping_add(i as u64));
                     let made = (|| -> Result<(Sampler, StopStringMatcher)> {
                         self.cache.fork(c.seq, child)?;
-                        Ok((Sampler::new(&p)?, StopStringMatcher::from_params(&p)?))
+                        Ok((engine_sampler(&p)?, StopStringMatcher::from_params(&p)?))
                     })();
                     match made {
                         Ok((sampler, matcher)) => {
