@@ -29,8 +29,8 @@
 //!
 //! # Parallelism and ISA
 //! Split-K over the key positions (FlashDecoding, Dao et al. 2023; llama.cpp's and vLLM's
-//! PagedAttention V2 partitions): each sequence's positions are cut into chunks of [`CHUNK`]
-//! positions, and each (sequence, chunk, kv head) gets a partial result: the unnormalized
+//! PagedAttention V2 partitions): each sequence's positions are cut into chunks of at most
+//! [`CHUNK`] positions ([`split`]: an even number of equal chunks beyond one), and each (sequence, chunk, kv head) gets a partial result: the unnormalized
 //! output, running max and sum of the chunk for all query heads of that kv head. With at least
 //! twice as many chunks as rayon threads one task computes all kv heads of a chunk (each
 //! key/value row is read whole, in order); with fewer, one task per kv head. The partials of a
@@ -105,8 +105,24 @@ impl KvElement for f16 {
 /// Key positions per online-softmax tile.
 pub const TILE: usize = 32;
 
-/// Key positions per split-K chunk (a multiple of [`TILE`]); see the [module docs](self).
+/// Most key positions per split-K chunk; see the [module docs](self) and [`split`].
 pub const CHUNK: usize = 256;
+
+/// The split-K cut of a sequence of `len` positions: `(chunks, positions per chunk)`, chunk `c`
+/// covering positions `c·size .. min(len, (c + 1)·size)`. Up to [`CHUNK`] positions one chunk;
+/// beyond, an even number of chunks, `2·⌈len / (2·CHUNK)⌉`, of `⌈len / chunks⌉` positions (at
+/// most `CHUNK`, the last one shorter; beyond ~65,000 positions trailing chunks may be empty,
+/// which add nothing). An even count splits the (chunk, kv head) tasks of one sequence evenly
+/// over two threads whatever the kv-head count: with chunks of exactly `CHUNK` positions,
+/// SmolLM2's 3 kv heads at 513-768 positions made 9 tasks (5 + 4) of unequal lengths. The cut
+/// depends on `len` only.
+pub fn split(len: usize) -> (usize, usize) {
+    if len <= CHUNK {
+        return (1, len.max(1));
+    }
+    let chunks = 2 * len.div_ceil(2 * CHUNK);
+    (chunks, len.div_ceil(chunks))
+}
 
 /// Most partial results (one per sequence, chunk and kv head, `g · (head_dim + 2)` floats each)
 /// held at once: 16,384 × 198 floats = 13 MB for SmolLM2.
@@ -234,7 +250,7 @@ pub fn paged_decode_attention_with<E: KvElement>(
     while s0 < seqs.len() {
         let (mut s1, mut count) = (s0, 0usize);
         while s1 < seqs.len() {
-            let c = kv_heads * seqs[s1].len.div_ceil(CHUNK);
+            let c = kv_heads * split(seqs[s1].len).0;
             if s1 > s0 && count + c > MAX_PARTIALS {
                 break;
             }
@@ -257,7 +273,7 @@ fn attend_group<E: KvElement>(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_, E>]
     let mut partials = 0usize;
     for s in seqs {
         first.push(partials);
-        partials += kv_heads * s.len.div_ceil(CHUNK);
+        partials += kv_heads * split(s.len).0;
     }
     first.push(partials);
     // Per partial: the unnormalized output of its g query heads, then g maxima, then g sums.
@@ -278,7 +294,8 @@ fn attend_group<E: KvElement>(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_, E>]
         // then chunk-major.
         let (c, j0) = ((i0 - first[si]) / kv_heads, (i0 - first[si]) % kv_heads);
         let kvs = j0..j0 + ps.len() / stride;
-        let pos = c * CHUNK..s.len.min((c + 1) * CHUNK);
+        let size = split(s.len).1;
+        let pos = s.len.min(c * size)..s.len.min((c + 1) * size);
         let qseq = &q[si * n_heads * head_dim..][..n_heads * head_dim];
         match simd {
             #[cfg(target_arch = "x86_64")]
@@ -302,7 +319,7 @@ fn attend_group<E: KvElement>(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_, E>]
         part.chunks_mut(kv_per_task * stride).enumerate().for_each(run);
     }
     let merge = |(si, out_s): (usize, &mut [f32])| {
-        let nc = seqs[si].len.div_ceil(CHUNK);
+        let nc = split(seqs[si].len).0;
         for (h, oh) in out_s.chunks_mut(head_dim).enumerate() {
             let (j, hg) = (h / g, h % g);
             let at = |c: usize| (first[si] + c * kv_heads + j) * stride;

@@ -247,14 +247,28 @@ fn wide_groups_and_late_max() {
     }
 }
 
+/// The split-K cut: chunks of at most `CHUNK` positions covering the sequence, one chunk up to
+/// `CHUNK`, an even count beyond, no empty chunk below 65,000 positions.
+#[test]
+fn split_is_even_and_covers() {
+    use deco_kernels::attention::{CHUNK, split};
+    for len in (1..=4096).chain((4097..=70_000).step_by(97)) {
+        let (n, size) = split(len);
+        assert!(n >= 1 && size >= 1 && size <= CHUNK && n * size >= len, "len {len}: {n} × {size}");
+        assert!(len <= CHUNK || n.is_multiple_of(2), "len {len}: {n} chunks");
+        assert!(len > CHUNK || n == 1, "len {len}: {n} chunks");
+        assert!(len > 65_000 || (n - 1) * size < len, "len {len}: empty last chunk");
+    }
+}
+
 /// A sequence gets the same bits alone, in a batch and on one thread as on the pool: the
-/// split-K cut depends only on its length (lengths around the chunk boundary, `CHUNK` = 256).
+/// split-K cut depends only on its length (lengths around the chunk boundaries, `CHUNK` = 256).
 #[test]
 fn batch_and_thread_invariant() {
     let mut rng = StdRng::seed_from_u64(11);
     let shape = AttnShape { n_heads: 9, kv_heads: 3, head_dim: 64 };
     let row = 3 * 64;
-    let lens = [1usize, 31, 255, 256, 257, 700, 513, 40, 900];
+    let lens = [1usize, 31, 255, 256, 257, 700, 513, 40, 900, 512, 1025];
     let stores: Vec<(Vec<f32>, Vec<f32>)> = lens
         .iter()
         .map(|&len| {
