@@ -45,7 +45,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use deco_model::kv_cache::SeqKv;
 use deco_model::{HostKv, KvCache, SeqId};
 use half::f16;
-use half::slice::HalfFloatSliceExt;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
 use crate::block_pool::{BlockId, BlockPool, PrefixKey};
 use crate::{Error, Result};
@@ -80,10 +80,11 @@ pub enum KvCacheDtype {
     /// f32: the keys and values exactly as the model computed them (the default).
     #[default]
     F32,
-    /// IEEE binary16, rounded to nearest even on write (values beyond ±65504 become infinite,
-    /// as in llama.cpp's f16 cache): half the memory and half the bytes a decode step reads.
-    /// The attention kernel widens them exactly, so attention is the f32 computation on the
-    /// rounded keys and values. Host (CPU) cache only.
+    /// IEEE binary16, rounded to nearest even on write: half the memory and half the bytes a
+    /// decode step reads. The attention kernel widens them exactly, so attention is the f32
+    /// computation on the rounded keys and values. A key or value beyond f16's range (±65504)
+    /// is refused with an error (llama.cpp's f16 cache would store an infinity). Host (CPU)
+    /// cache only.
     F16,
 }
 
@@ -118,26 +119,36 @@ impl std::str::FromStr for KvCacheDtype {
     }
 }
 
-/// One layer's key or value blocks on the host, in the cache's element type.
+/// One layer's key or value blocks on the host, in the cache's element type (f16 as its bits,
+/// so that the pool is allocated zeroed, `calloc`, and its pages are committed on first write
+/// as the f32 pool's are).
 #[derive(Debug)]
 enum KvBuf {
     F32(Vec<f32>),
-    F16(Vec<f16>),
+    F16(Vec<u16>),
 }
 
 impl KvBuf {
     fn zeros(dtype: KvCacheDtype, n: usize) -> Self {
         match dtype {
             KvCacheDtype::F32 => KvBuf::F32(vec![0.0; n]),
-            KvCacheDtype::F16 => KvBuf::F16(vec![f16::ZERO; n]),
+            KvCacheDtype::F16 => KvBuf::F16(vec![0; n]),
         }
     }
 
-    /// Stores `x` at element `off` (rounded to f16 for an f16 buffer).
-    fn write(&mut self, off: usize, x: &[f32]) {
+    /// Stores `x` at element `off` (rounded to f16 for an f16 buffer). Returns the first finite
+    /// value that f16 cannot hold (it became infinite), if any; the row is written either way.
+    fn write(&mut self, off: usize, x: &[f32]) -> Option<f32> {
         match self {
-            KvBuf::F32(b) => b[off..off + x.len()].copy_from_slice(x),
-            KvBuf::F16(b) => b[off..off + x.len()].convert_from_f32_slice(x),
+            KvBuf::F32(b) => {
+                b[off..off + x.len()].copy_from_slice(x);
+                None
+            }
+            KvBuf::F16(b) => {
+                let h: &mut [f16] = b[off..off + x.len()].reinterpret_cast_mut();
+                h.convert_from_f32_slice(x);
+                h.iter().zip(x).find(|(h, v)| h.is_infinite() && v.is_finite()).map(|(_, &v)| v)
+            }
         }
     }
 
@@ -148,7 +159,7 @@ impl KvBuf {
             KvBuf::F16(b) => {
                 let start = out.len();
                 out.resize(start + r.len(), 0.0);
-                b[r].convert_to_f32_slice(&mut out[start..]);
+                b[r].reinterpret_cast::<f16>().convert_to_f32_slice(&mut out[start..]);
             }
         }
     }
@@ -554,8 +565,11 @@ impl PagedKvCache {
         for t in 0..n {
             let p = len + t;
             let off = (table[p / bs] as usize * bs + p % bs) * tf;
-            kl.write(off, &k[t * tf..(t + 1) * tf]);
-            vl.write(off, &v[t * tf..(t + 1) * tf]);
+            if let Some(x) = kl.write(off, &k[t * tf..(t + 1) * tf]).or(vl.write(off, &v[t * tf..(t + 1) * tf])) {
+                return Err(Error::InvalidRequest(format!(
+                    "layer {layer}: a key or value of {x} is beyond the range of the f16 KV cache (±65504); use --kv-cache-dtype f32"
+                )));
+            }
         }
         Ok(len + n)
     }
@@ -700,7 +714,9 @@ impl KvCache for PagedKvCache {
         }
         Some(match (self.k.get(layer)?, self.v.get(layer)?) {
             (KvBuf::F32(k), KvBuf::F32(v)) => HostKv::F32(SeqKv { k, v, block_table: &s.table, block_size: bs, len }),
-            (KvBuf::F16(k), KvBuf::F16(v)) => HostKv::F16(SeqKv { k, v, block_table: &s.table, block_size: bs, len }),
+            (KvBuf::F16(k), KvBuf::F16(v)) => {
+                HostKv::F16(SeqKv { k: k.reinterpret_cast(), v: v.reinterpret_cast(), block_table: &s.table, block_size: bs, len })
+            }
             _ => return None,
         })
     }

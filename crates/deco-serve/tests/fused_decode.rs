@@ -190,6 +190,15 @@ fn f16_cache_rounds_keys_and_values_and_stays_close() {
         }
     }
     c16.check_consistency().expect("consistent");
+    // A key beyond f16's range is refused with a message, through both write paths; the
+    // largest f16 is stored.
+    let tiny = CacheShape { n_layers: 1, kv_heads: 1, head_dim: 2, block_size: 4, num_blocks: 4 };
+    let mut c = PagedKvCache::with_dtype(tiny, KvCacheDtype::F16, &device).expect("cache");
+    c.append_host(0, 9, &[65504.0, -1.0], &[0.5, 2.0], 1, 2).expect("in range");
+    let err = c.append_host(0, 9, &[1.0, 70000.0], &[0.0, 0.0], 1, 2).expect_err("out of range");
+    assert!(err.to_string().contains("f16") && err.to_string().contains("70000"), "{err}");
+    let big = burn::tensor::Tensor::<3>::from_data(burn::tensor::TensorData::new(vec![0.0f32, -1e6], [1, 1, 2]), &device);
+    assert!(c.append(0, 9, big.clone(), big).is_err(), "the burn path's write refuses it too");
     assert!("f16".parse::<KvCacheDtype>().is_ok_and(|d| d == KvCacheDtype::F16));
     let err = "int4".parse::<KvCacheDtype>().expect_err("unknown dtype");
     assert!(err.to_string().contains("int4"), "{err}");
