@@ -254,7 +254,7 @@ fn split_is_even_and_covers() {
     use deco_kernels::attention::{CHUNK, split};
     for len in (1..=4096).chain((4097..=70_000).step_by(97)) {
         let (n, size) = split(len);
-        assert!(n >= 1 && size >= 1 && size <= CHUNK && n * size >= len, "len {len}: {n} × {size}");
+        assert!(n >= 1 && (1..=CHUNK).contains(&size) && n * size >= len, "len {len}: {n} × {size}");
         assert!(len <= CHUNK || n.is_multiple_of(2), "len {len}: {n} chunks");
         assert!(len > CHUNK || n == 1, "len {len}: {n} chunks");
         assert!(len > 65_000 || (n - 1) * size < len, "len {len}: empty last chunk");

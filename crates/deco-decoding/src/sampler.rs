@@ -290,9 +290,9 @@ fn check_row(logits: &[f32]) -> Result<()> {
     if logits.is_empty() {
         return Err(DecodingError::EmptyLogits);
     }
-    // NaN or +inf: `!(x < inf)`. Pieces scanned without an early exit (vectorized); the first
-    // bad piece is searched for the first bad index.
-    let bad = |x: f32| !(x < f32::INFINITY);
+    // NaN or +inf. Pieces scanned without an early exit (vectorized); the first bad piece is
+    // searched for the first bad index.
+    let bad = |x: f32| x.is_nan() | (x == f32::INFINITY);
     const PIECE: usize = 1024;
     for (p, c) in logits.chunks(PIECE).enumerate() {
         if c.iter().fold(false, |a, &x| a | bad(x))
