@@ -176,14 +176,11 @@ macro_rules! q8_rows8_k_body {
                 }
             }
         }
-        let mut out = [[0.0f32; $t]; 8];
+        // Token-major: token k's 8 rows are one vector.
+        let mut out = [[0.0f32; 8]; $t];
         for k in 0..$t {
-            let mut lanes = [0.0f32; 8];
             // SAFETY: 8 f32 of stack memory.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]) };
-            for r in 0..8 {
-                out[r][k] = lanes[r];
-            }
+            unsafe { _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]) };
         }
         out
     }};
@@ -991,7 +988,7 @@ impl PackedMatrix {
             // SAFETY: AVX-512 F/BW/VL, AVX2, FMA and F16C were detected (the caller checked
             // `Isa::Avx512.is_available()`); `tiled` passes rows that exist (each `row_bytes` of
             // `nb` 32-weight (sub-)blocks) and tokens t .. t + tk that exist in x.
-            unsafe {
+            let rows_major: [[f32; TILE_T]; TILE_R] = unsafe {
                 match (rk, tk) {
                     (TILE_R, TILE_T) => x86_512::tile::<TILE_R, TILE_T>(ty, wp, self.row_bytes(), nb, xp, cols),
                     (TILE_R, 3) => widen(x86_512::tile::<TILE_R, 3>(ty, wp, self.row_bytes(), nb, xp, cols)),
@@ -1002,7 +999,8 @@ impl PackedMatrix {
                     (_, 2) => widen(x86_512::tile::<1, 2>(ty, wp, self.row_bytes(), nb, xp, cols)),
                     _ => widen(x86_512::tile::<1, 1>(ty, wp, self.row_bytes(), nb, xp, cols)),
                 }
-            }
+            };
+            std::array::from_fn(|k| std::array::from_fn(|r| rows_major[r][k]))
         });
     }
 
@@ -1053,16 +1051,14 @@ impl PackedMatrix {
                     2 => widen(call!(2, t, wp, rk)),
                     1 => widen(call!(1, t, wp, rk)),
                     _ => {
-                        // 5-7 leftover tokens: 4, then the rest.
-                        let mut out: [[f32; TILE_T_VNNI]; 8] = widen(call!(4, t, wp, rk));
-                        let rest: [[f32; TILE_T]; 8] = match tk - 4 {
+                        // 5-7 leftover tokens: 4, then the rest (token-major results).
+                        let mut out: [[f32; 8]; TILE_T_VNNI] = widen(call!(4, t, wp, rk));
+                        let rest: [[f32; 8]; TILE_T] = match tk - 4 {
                             3 => widen(call!(3, t + 4, wp, rk)),
                             2 => widen(call!(2, t + 4, wp, rk)),
                             _ => widen(call!(1, t + 4, wp, rk)),
                         };
-                        for (o, r) in out.iter_mut().zip(rest) {
-                            o[4..tk].copy_from_slice(&r[..tk - 4]);
-                        }
+                        out[4..tk].copy_from_slice(&rest[..tk - 4]);
                         out
                     }
                 }
@@ -1083,13 +1079,14 @@ impl PackedMatrix {
     /// `cost` as [`PackedMatrix::chunk_rows`]); inside a chunk, sub-chunks of ~32 KiB of packed
     /// rows stay in L1/L2 while every group of `T` tokens passes over them in register tiles
     /// of `R` rows (leftover rows one at a time, and leftover tokens in narrower tiles, with the
-    /// same per-element arithmetic). `tile(t, rows_ptr, rk, tk)` returns the `rk × tk` dot
-    /// products of rows starting at `rows_ptr` with tokens `t ..` (`rk` is `R` or 1); they are
-    /// written to `y[n, rows]`.
+    /// same per-element arithmetic). `tile(t, rows_ptr, rk, tk)` returns the dot products of
+    /// rows starting at `rows_ptr` with tokens `t ..` (`rk` is `R` or 1), token-major
+    /// (`out[k][i]`: token `t + k`, row `i`), so that each token's `rk` results go to
+    /// `y[n, rows]` as one contiguous run.
     #[cfg(target_arch = "x86_64")]
     fn tiled<const R: usize, const T: usize, F>(&self, n: usize, cost: usize, y: &mut [f32], tile: F)
     where
-        F: Fn(usize, *const u8, usize, usize) -> [[f32; T]; R] + Sync,
+        F: Fn(usize, *const u8, usize, usize) -> [[f32; R]; T] + Sync,
     {
         const SUB_BYTES: usize = 32 * 1024;
         let rows = self.rows;
@@ -1111,12 +1108,10 @@ impl PackedMatrix {
                     while r < s1 {
                         let rk = if s1 - r >= R { R } else { 1 };
                         let out = tile(t, self.data[r * row_bytes..].as_ptr(), rk, tk);
-                        for (i, o) in out.iter().enumerate().take(rk) {
-                            for (k, v) in o.iter().enumerate().take(tk) {
-                                // SAFETY: (t + k, r + i) is inside y and rows s0 .. s1 belong to
-                                // this task only.
-                                unsafe { *yp.get().add((t + k) * rows + r + i) = *v };
-                            }
+                        for (k, o) in out.iter().enumerate().take(tk) {
+                            // SAFETY: (t + k, r .. r + rk) is inside y and rows s0 .. s1 belong
+                            // to this task only.
+                            unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), yp.get().add((t + k) * rows + r), rk) };
                         }
                         r += rk;
                     }

@@ -434,7 +434,7 @@ pub(super) unsafe fn q8_rows8<const T: usize>(
     xs: *const f32,
     xi: *const i32,
     stride: usize,
-) -> [[f32; T]; 8] {
+) -> [[f32; 8]; T] {
     // SAFETY: forwarded from the caller.
     unsafe {
         match ty {
@@ -508,7 +508,7 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
     xs: *const f32,
     xi: *const i32,
     stride: usize,
-) -> [[f32; T]; 8] {
+) -> [[f32; 8]; T] {
     let bb = match TY {
         0 => BlockType::Q4_0,
         1 => BlockType::Q4_1,
@@ -586,14 +586,11 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
             }
         }
     }
-    let mut out = [[0.0f32; T]; 8];
+    // Token-major: token k's 8 rows are one vector.
+    let mut out = [[0.0f32; 8]; T];
     for k in 0..T {
-        let mut lanes = [0.0f32; 8];
         // SAFETY: 8 f32 of stack memory.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]) };
-        for r in 0..8 {
-            out[r][k] = lanes[r];
-        }
+        unsafe { _mm256_storeu_ps(out[k].as_mut_ptr(), acc[k]) };
     }
     out
 }
@@ -729,7 +726,7 @@ pub(super) unsafe fn q8_rows8_k<const T: usize>(
     xi: *const i32,
     xl: *const i32,
     stride: usize,
-) -> [[f32; T]; 8] {
+) -> [[f32; 8]; T] {
     // SAFETY: forwarded from the caller.
     unsafe {
         match ty {
@@ -752,6 +749,6 @@ unsafe fn q8_rows8_k_t<const TY: u8, const T: usize>(
     xi: *const i32,
     xl: *const i32,
     stride: usize,
-) -> [[f32; T]; 8] {
+) -> [[f32; 8]; T] {
     q8_rows8_k_body!(TY, T, rows, row_bytes, nb, xq, xd, xs, xi, xl, stride, dot16_avx2::<TY>)
 }
