@@ -1111,7 +1111,16 @@ impl PackedMatrix {
                         for (k, o) in out.iter().enumerate().take(tk) {
                             // SAFETY: (t + k, r .. r + rk) is inside y and rows s0 .. s1 belong
                             // to this task only.
-                            unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), yp.get().add((t + k) * rows + r), rk) };
+                            unsafe {
+                                let dst = yp.get().add((t + k) * rows + r);
+                                // A full tile copies `R` values, a compile-time length (vector
+                                // moves, not a `memcpy` call).
+                                if rk == R {
+                                    std::ptr::copy_nonoverlapping(o.as_ptr(), dst, R);
+                                } else {
+                                    *dst = o[0];
+                                }
+                            }
                         }
                         r += rk;
                     }
