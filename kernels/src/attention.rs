@@ -30,8 +30,9 @@
 //! # Parallelism and ISA
 //! Split-K over the key positions (FlashDecoding, Dao et al. 2023; llama.cpp's and vLLM's
 //! PagedAttention V2 partitions): each sequence's positions are cut into chunks of at most
-//! [`CHUNK`] positions ([`split`]: an even number of equal chunks beyond one), and each (sequence, chunk, kv head) gets a partial result: the unnormalized
-//! output, running max and sum of the chunk for all query heads of that kv head. With at least
+//! [`CHUNK`] positions ([`split`]: an even number of equal chunks beyond one), and each
+//! (sequence, chunk, kv head) gets a partial result: the unnormalized output, running max and
+//! sum of the chunk for all query heads of that kv head. With at least
 //! twice as many chunks as rayon threads one task computes all kv heads of a chunk (each
 //! key/value row is read whole, in order); with fewer, one task per kv head. The partials of a
 //! (sequence, head) are then merged in chunk order (`o = Σ_c e^{m_c − m} o_c / Σ_c e^{m_c − m}

@@ -230,8 +230,9 @@ type OnDelta<'a> = dyn FnMut(usize, &str, &[TokenInfo]) -> Result<()> + 'a;
 
 /// Runs one request on the serving engine (`deco_serve::engine`, the decode loop `deco serve`
 /// runs, so `deco generate` and `deco serve` give the same tokens) with a KV pool sized for
-/// `width` parallel sequences of the request, keys and values stored as `kv`. `on_delta(index, text, tokens)` sees every piece
-/// of output as the engine releases it (stop strings already applied).
+/// `width` parallel sequences of the request, keys and values stored as `kv`.
+/// `on_delta(index, text, tokens)` sees every piece of output as the engine releases it (stop
+/// strings already applied).
 fn run_on_engine(
     model: &Llama,
     tok: &Tokenizer,

@@ -4,7 +4,8 @@
 //! Keys and values of every layer live in one host buffer each,
 //! `[num_blocks, block_size, kv_heads, head_dim]` of f32, or of f16 with
 //! [`KvCacheDtype::F16`] (vLLM's block layout without the x-packing; llama.cpp's default KV
-//! type is f16 too: half the memory and half the bytes a decode step reads). A sequence owns a *block table*: `table[i]` is the block holding its positions
+//! type is f16 too: half the memory and half the bytes a decode step reads). A sequence owns a
+//! *block table*: `table[i]` is the block holding its positions
 //! `i * block_size .. (i + 1) * block_size`. Position `p` of a sequence is at
 //! `(table[p / block_size], p % block_size)`. A paged-attention kernel can read keys and values
 //! directly from the buffers given [`PagedKvCache::block_table`] and the sequence length
@@ -38,7 +39,6 @@
 //!   place after leaving the prefix cache.
 
 use std::collections::HashMap;
-
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor, TensorData};
