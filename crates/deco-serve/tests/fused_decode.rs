@@ -82,30 +82,42 @@ fn cache_diff(a: &dyn KvCache, b: &dyn KvCache, layers: usize, seq: u64) -> f32 
     worst
 }
 
-/// The `len` rows of a host view in position order.
+/// The `len` rows of a host view in position order, as f32 (f16 values widened exactly).
 fn flat_paged(s: &deco_model::HostKv<'_>, k: bool) -> Vec<f32> {
-    let deco_model::HostKv::F32(s) = s else { panic!("these caches store f32") };
-    // Row size from the model: SmolLM2 has 3 kv heads of 64.
-    let row = 3 * 64;
-    let src = if k { s.k } else { s.v };
-    let mut out = Vec::with_capacity(s.len * row);
-    for p in 0..s.len {
-        let off = (s.block_table[p / s.block_size] as usize * s.block_size + p % s.block_size) * row;
-        out.extend_from_slice(&src[off..off + row]);
+    fn rows<E: deco_kernels::attention::KvElement>(s: &deco_model::kv_cache::SeqKv<'_, E>, k: bool) -> Vec<f32> {
+        // Row size from the model: SmolLM2 has 3 kv heads of 64.
+        let row = 3 * 64;
+        let src = if k { s.k } else { s.v };
+        let mut out = Vec::with_capacity(s.len * row);
+        for p in 0..s.len {
+            let off = (s.block_table[p / s.block_size] as usize * s.block_size + p % s.block_size) * row;
+            out.extend(src[off..off + row].iter().map(|x| x.to_f32()));
+        }
+        out
     }
-    out
+    match s {
+        deco_model::HostKv::F32(s) => rows(s, k),
+        deco_model::HostKv::F16(s) => rows(s, k),
+    }
 }
 
-#[test]
-fn fused_decode_logits_equal_reference_path() {
+/// SmolLM2 with the fused decode attention, the same model on the burn reference path, and
+/// [`schedule`] (chosen by the reference path).
+fn models() -> (Device, Llama, Llama, Vec<Step>) {
     let device = Device::default();
     let ckpt = Checkpoint::open(deco_tests::smollm2_gguf()).expect("open model");
     let fused = Llama::load(&ckpt, &device, Some(512)).expect("load model");
     let mut reference = fused.clone();
     reference.set_fused_decode_attention(false);
+    let steps = schedule(&reference);
+    (device, fused, reference, steps)
+}
+
+#[test]
+fn fused_decode_logits_equal_reference_path() {
+    let (device, fused, reference, steps) = models();
     let cfg = &fused.config;
     assert_eq!((cfg.num_key_value_heads, cfg.head_dim), (3, 64));
-    let steps = schedule(&reference);
     let n_layers = fused.num_layers();
 
     // Dense cache.
@@ -149,12 +161,7 @@ fn fused_decode_logits_equal_reference_path() {
 fn f16_cache_rounds_keys_and_values_and_stays_close() {
     use deco_serve::KvCacheDtype;
     use half::f16;
-    let device = Device::default();
-    let ckpt = Checkpoint::open(deco_tests::smollm2_gguf()).expect("open model");
-    let fused = Llama::load(&ckpt, &device, Some(512)).expect("load model");
-    let mut reference = fused.clone();
-    reference.set_fused_decode_attention(false);
-    let steps = schedule(&reference);
+    let (device, fused, reference, steps) = models();
     let n_layers = fused.num_layers();
     let shape = CacheShape { n_layers, kv_heads: 3, head_dim: 64, block_size: 4, num_blocks: 128 };
     let mut c32 = PagedKvCache::new(shape, &device).expect("cache");
@@ -177,15 +184,15 @@ fn f16_cache_rounds_keys_and_values_and_stays_close() {
     }
     for seq in 0..4u64 {
         let len = c32.seq_len(seq);
-        let (Some(deco_model::HostKv::F32(a)), Some(deco_model::HostKv::F16(b))) = (c32.host_view(0, seq, len), c16.host_view(0, seq, len)) else {
+        let (Some(a @ deco_model::HostKv::F32(_)), Some(b @ deco_model::HostKv::F16(_))) = (c32.host_view(0, seq, len), c16.host_view(0, seq, len)) else {
             panic!("sequence {seq}: expected an f32 and an f16 view");
         };
-        for p in 0..len {
-            for (x, y) in [(a.k, b.k), (a.v, b.v)] {
-                let (ox, oy) = ((a.block_table[p / 4] as usize * 4 + p % 4) * 192, (b.block_table[p / 4] as usize * 4 + p % 4) * 192);
-                for i in 0..192 {
-                    assert_eq!(f16::from_f32(x[ox + i]).to_bits(), y[oy + i].to_bits(), "sequence {seq} position {p} value {i}");
-                }
+        for k in [true, false] {
+            let (x, y) = (flat_paged(&a, k), flat_paged(&b, k));
+            assert_eq!(x.len(), y.len());
+            // `y` is the stored f16 widened exactly, so narrowing it again gives the stored bits.
+            for (i, (x, y)) in x.iter().zip(&y).enumerate() {
+                assert_eq!(f16::from_f32(*x).to_bits(), f16::from_f32(*y).to_bits(), "sequence {seq} value {i} (position {}, keys {k})", i / 192);
             }
         }
     }
