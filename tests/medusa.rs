@@ -10,7 +10,7 @@ use deco_formats::checkpoint::Checkpoint;
 use deco_formats::tokenizer::Tokenizer;
 use deco_generate::{DraftHeads, MedusaTree, TypicalAcceptance};
 use deco_model::{DenseKvCache, KvCache, Llama, LogitsWanted, SeqInput};
-use deco_serve::{CacheShape, PagedKvCache};
+use deco_serve::{CacheShape, KvCacheDtype, PagedKvCache};
 use deco_tests::smollm2_gguf;
 
 fn model() -> &'static Llama {
@@ -27,10 +27,14 @@ fn tokenizer() -> Arc<Tokenizer> {
 }
 
 fn paged(m: &Llama) -> PagedKvCache {
+    paged_of(m, KvCacheDtype::F32)
+}
+
+fn paged_of(m: &Llama, dtype: KvCacheDtype) -> PagedKvCache {
     let c = &m.config;
     // Blocks of 4 tokens: the tree and the kept path cross block boundaries.
     let shape = CacheShape { n_layers: m.num_layers(), kv_heads: c.num_key_value_heads, head_dim: c.head_dim, block_size: 4, num_blocks: 64 };
-    PagedKvCache::new(shape, m.device()).expect("cache")
+    PagedKvCache::with_dtype(shape, dtype, m.device()).expect("cache")
 }
 
 /// Logits of the last token of `tokens`, by one causal forward from an empty cache.
@@ -45,7 +49,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Every node of a tree computed in one forward has the logits of a causal forward of the
-/// prompt followed by its path; after keeping a non-contiguous path, the next token's logits
+/// prompt followed by its path, bit for bit; after keeping a non-contiguous path, the next token's logits
 /// are those of the causal sequence.
 #[test]
 fn tree_forward_equals_causal_forward_of_each_path() {
@@ -72,8 +76,10 @@ fn tree_forward_equals_causal_forward_of_each_path() {
         let mut seq = prompt.clone();
         seq.extend(path_of(i).iter().map(|&j| nodes[j]));
         let want = causal_last(m, &seq);
+        // The fused CPU attention reads the path's rows in causal order and the packed matmul
+        // is batch-invariant: the node's logits are the causal forward's, bit for bit.
         let d = max_diff(row, &want);
-        assert!(d < 2e-3, "node {i} (path {:?}): max logit difference {d}", path_of(i));
+        assert!(row == &want, "node {i} (path {:?}): max logit difference {d}", path_of(i));
     }
     // Keep the path 0 -> 1 -> 3 -> 6 (nodes 2, 4, 5 dropped in between), then one more token.
     let keep = [0, 1, 3, 6];
@@ -91,6 +97,42 @@ fn tree_forward_equals_causal_forward_of_each_path() {
     let err = m.forward(&[SeqInput { seq: 8, tokens: &nodes[..2], tree: Some(&bad) }], &mut cache, LogitsWanted::All).expect_err("must be refused");
     assert!(err.to_string().contains("does not precede"), "{err}");
     assert!(cache.keep_rows(7, prompt.len(), &[1, 0]).is_err());
+}
+
+/// With an f16 paged cache (`--kv-cache-dtype f16`) the tree's nodes read the rounded keys and
+/// values of their paths: each node's logits equal, bit for bit, those of a causal forward of
+/// the prompt and its path through an f16 cache.
+#[test]
+fn tree_forward_through_an_f16_cache_equals_causal_forward() {
+    let m = model();
+    let tok = tokenizer();
+    let prompt = tok.encode("The three primary colors are red, yellow and", true).expect("encode");
+    let nodes: Vec<u32> = tok.encode(" blue, and the three secondary colors", false).expect("encode")[..5].to_vec();
+    let parents = [None, Some(0), Some(0), Some(2), Some(1)];
+    let mut cache = paged_of(m, KvCacheDtype::F16);
+    m.forward(&[SeqInput { seq: 3, tokens: &prompt, tree: None }], &mut cache, LogitsWanted::Last).expect("prefill");
+    let rows = m
+        .forward(&[SeqInput { seq: 3, tokens: &nodes, tree: Some(&parents) }], &mut cache, LogitsWanted::All)
+        .expect("tree forward")
+        .logits_rows()
+        .expect("rows");
+    for (i, row) in rows.iter().enumerate() {
+        let (mut path, mut n) = (vec![i], i);
+        while let Some(p) = parents[n] {
+            path.push(p);
+            n = p;
+        }
+        let mut seq = prompt.clone();
+        seq.extend(path.iter().rev().map(|&j| nodes[j]));
+        let mut causal = paged_of(m, KvCacheDtype::F16);
+        let want = m
+            .forward(&[SeqInput { seq: 0, tokens: &seq, tree: None }], &mut causal, LogitsWanted::Last)
+            .expect("causal")
+            .logits_rows()
+            .expect("rows")
+            .remove(0);
+        assert!(row == &want, "node {i}: max logit difference {}", max_diff(row, &want));
+    }
 }
 
 /// Heads that know the greedy continuation: the hidden state they are given is matched to the

@@ -9,7 +9,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use deco_formats::checkpoint::{Checkpoint, hf_expected_shape, hf_to_gguf_name};
 use deco_formats::config::{Architecture, ModelConfig};
 use deco_formats::ggml::GgmlType;
-use deco_kernels::attention::{AttnShape, paged_decode_attention};
+use deco_kernels::attention::{AttnShape, SeqKv, paged_decode_attention};
 use deco_kernels::ops::RopeTable;
 use deco_kernels::quant::{BlockType, PackedMatrix};
 
@@ -30,8 +30,10 @@ pub struct SeqInput<'a> {
     /// nodes of a token tree (Medusa's candidate tree, Cai et al. 2024 §2.1.2), `parents[i]` the
     /// index of node `i`'s parent among `tokens` (`< i`) or `None` for a node that follows the
     /// cache directly; node `i` sits at position `cache.seq_len(seq) + depth(i)` and attends to
-    /// the cache and to its own path only (`deco_kernels::ops::tree_gqa_attention`). Its keys and
-    /// values are appended in node order; keep a path with [`KvCache::keep_rows`].
+    /// the cache and to its own path only (on the CPU with a host cache the fused decode
+    /// attention over the path's rows, see `Llama::attention_fused`; otherwise
+    /// `deco_kernels::ops::tree_gqa_attention`). Its keys and values are appended in node
+    /// order; keep a path with [`KvCache::keep_rows`].
     pub tree: Option<&'a [Option<usize>]>,
 }
 
@@ -608,8 +610,8 @@ impl Llama {
         Ok(interleave(prefill_out, &batch.spans, Some(out)))
     }
 
-    /// Attention of layer `li` with the fused CPU kernel for every sequence except token trees
-    /// (which take the burn path); `[tokens, heads * head_dim]` in batch order.
+    /// Attention of layer `li` with the fused CPU kernel for every sequence of the batch;
+    /// `[tokens, heads * head_dim]` in batch order.
     ///
     /// The sequences' new keys and values go to the cache with [`KvCache::append_host`] (the
     /// same positions [`KvCache::append`] would write), then one [`paged_decode_attention`] call
@@ -617,6 +619,13 @@ impl Llama {
     /// with `past` cached positions attends to the first `past + j + 1` (causal attention as a
     /// batch of decode queries of growing length). A prefill token therefore gets the same bits
     /// as the same token decoded alone.
+    ///
+    /// A token tree ([`SeqInput::tree`]) goes through the same kernel: node `i` at depth `d`
+    /// reads a view of `past + d + 1` rows, the cache's first `past` positions then the rows of
+    /// its path from the root down to itself, given to the kernel as a table of physical rows
+    /// (blocks of one position). The rows are those causal decoding of the path would read, in
+    /// the same order, so a node gets the same bits as its path's last token decoded alone
+    /// (Medusa's tree verification at T = 0 is then exactly greedy decoding).
     #[allow(clippy::too_many_arguments)]
     fn attention_fused(
         &self,
@@ -631,57 +640,77 @@ impl Llama {
         let cfg = &self.config;
         let (heads, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let (qrow, kvrow) = (heads * hd, kvh * hd);
-        let fused: Vec<bool> = inputs.iter().zip(&batch.spans).map(|(inp, sp)| !is_tree(inp, sp)).collect();
-        let burn_out = multi_token_attention(li, &q, &k, &v, batch, inputs, cache, &|i| !fused[i])?;
-        if !fused.contains(&true) {
-            return Ok(interleave(burn_out, &batch.spans, None));
-        }
-        let all_fused = !fused.contains(&false);
         let (qh, kh, vh) = (to_host(q)?, to_host(k)?, to_host(v)?);
-        for (i, sp) in batch.spans.iter().enumerate().filter(|&(i, _)| fused[i]) {
+        for (inp, sp) in inputs.iter().zip(&batch.spans) {
             let rows = sp.start * kvrow..(sp.start + sp.len) * kvrow;
-            cache.append_host(li, inputs[i].seq, &kh[rows.clone()], &vh[rows], kvh, hd)?;
+            cache.append_host(li, inp.seq, &kh[rows.clone()], &vh[rows], kvh, hd)?;
         }
         let cache = &*cache;
-        let mut views = Vec::with_capacity(batch.n);
-        for (i, sp) in batch.spans.iter().enumerate().filter(|&(i, _)| fused[i]) {
-            let seq = inputs[i].seq;
-            for j in 0..sp.len {
-                let len = sp.past + j + 1;
-                views.push(
-                    cache
-                        .host_view(li, seq, len)
-                        .ok_or_else(|| Error::InvalidInput(format!("KV cache has no host view of sequence {seq} at layer {li}")))?,
-                );
+        let view = |seq: SeqId, len: usize| {
+            cache.host_view(li, seq, len).ok_or_else(|| Error::InvalidInput(format!("KV cache has no host view of sequence {seq} at layer {li}")))
+        };
+        // Row tables of the tree nodes, built before the views that borrow them.
+        let mut tables: Vec<Vec<u32>> = Vec::new();
+        for (inp, sp) in inputs.iter().zip(&batch.spans) {
+            if is_tree(inp, sp) {
+                let parents = inp.tree.unwrap_or_default();
+                let full = view(inp.seq, sp.past + sp.len)?;
+                let (table, bs) = match full {
+                    HostKv::F32(s) => (s.block_table, s.block_size),
+                    HostKv::F16(s) => (s.block_table, s.block_size),
+                };
+                let phys = |p: usize| -> Result<u32> {
+                    u32::try_from(table[p / bs] as usize * bs + p % bs)
+                        .map_err(|_| Error::InvalidInput(format!("sequence {}: KV row {p} beyond u32 rows", inp.seq)))
+                };
+                let prefix = (0..sp.past).map(phys).collect::<Result<Vec<u32>>>()?;
+                for i in 0..sp.len {
+                    let (mut path, mut n) = (vec![i], i);
+                    while let Some(p) = parents[n] {
+                        path.push(p);
+                        n = p;
+                    }
+                    let mut rows = prefix.clone();
+                    for &n in path.iter().rev() {
+                        rows.push(phys(sp.past + n)?);
+                    }
+                    tables.push(rows);
+                }
             }
         }
-        let qd: Vec<f32> = if all_fused {
-            qh
-        } else {
-            batch
-                .spans
-                .iter()
-                .enumerate()
-                .filter(|&(i, _)| fused[i])
-                .flat_map(|(_, sp)| qh[sp.start * qrow..(sp.start + sp.len) * qrow].iter().copied())
-                .collect()
-        };
+        let mut views = Vec::with_capacity(batch.n);
+        let mut t = 0;
+        for (inp, sp) in inputs.iter().zip(&batch.spans) {
+            let tree = is_tree(inp, sp);
+            for j in 0..sp.len {
+                if tree {
+                    let rows = &tables[t];
+                    t += 1;
+                    let len = rows.len();
+                    views.push(match view(inp.seq, sp.past + sp.len)? {
+                        HostKv::F32(s) => HostKv::F32(SeqKv { block_table: rows, block_size: 1, len, ..s }),
+                        HostKv::F16(s) => HostKv::F16(SeqKv { block_table: rows, block_size: 1, len, ..s }),
+                    });
+                } else {
+                    views.push(view(inp.seq, sp.past + j + 1)?);
+                }
+            }
+        }
         let mut out = vec![0.0f32; views.len() * qrow];
         let shape = AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd };
         // One cache, one element type: the views are all f32 or all f16.
         let f32_views: Vec<_> = views.iter().filter_map(|v| if let HostKv::F32(s) = v { Some(*s) } else { None }).collect();
         let done = if f32_views.len() == views.len() {
-            paged_decode_attention(&qd, shape, &f32_views, &mut out)
+            paged_decode_attention(&qh, shape, &f32_views, &mut out)
         } else {
             let f16_views: Vec<_> = views.iter().filter_map(|v| if let HostKv::F16(s) = v { Some(*s) } else { None }).collect();
             if f16_views.len() != views.len() {
                 return Err(Error::InvalidInput("fused attention: the KV cache returned views of two element types".into()));
             }
-            paged_decode_attention(&qd, shape, &f16_views, &mut out)
+            paged_decode_attention(&qh, shape, &f16_views, &mut out)
         };
         done.map_err(|e| Error::InvalidInput(format!("fused attention: {e}")))?;
-        let fused_out = Tensor::from_data(TensorData::new(out, [views.len(), qrow]), &self.device);
-        Ok(interleave(burn_out, &batch.spans, Some(fused_out)))
+        Ok(Tensor::from_data(TensorData::new(out, [views.len(), qrow]), &self.device))
     }
 
     /// Final RMSNorm and LM head over the last `rows[i]` positions of each sequence of the
@@ -719,6 +748,7 @@ fn is_tree(inp: &SeqInput<'_>, sp: &Span) -> bool {
 /// Attention of the batch's sequences `i` with `take(i)` through the burn path: their keys and
 /// values appended with [`KvCache::append`], then causal (or tree) attention over the gathered
 /// cache. `Some([len, heads · head_dim])` per such sequence, `None` for the others.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[allow(clippy::too_many_arguments)]
 fn multi_token_attention(
     li: usize,
@@ -768,6 +798,7 @@ fn tree_depths(seq: SeqId, parents: &[Option<usize>], tokens: usize) -> Result<V
 
 /// The attention outputs of a batch in batch order: each sequence's rows from `parts` (`Some`)
 /// or, in order, its `span.len` next rows of `fused` (`[rows of the None sequences, width]`).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn interleave(parts: Vec<Option<Tensor<2>>>, spans: &[Span], fused: Option<Tensor<2>>) -> Tensor<2> {
     if let Some(f) = &fused
         && parts.iter().all(Option::is_none)
@@ -805,7 +836,7 @@ impl Attend for CacheAttention<'_, '_> {
     fn attend(&mut self, li: usize, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>) -> Result<Tensor<2>> {
         let (batch, inputs) = (self.batch, self.inputs);
         let cache = &mut *self.cache;
-        if self.model.fused_decode && cache.supports_host_kv() && inputs.iter().zip(&batch.spans).any(|(inp, sp)| !is_tree(inp, sp)) {
+        if self.model.fused_decode && cache.supports_host_kv() {
             return self.model.attention_fused(li, q, k, v, batch, inputs, cache);
         }
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
