@@ -253,14 +253,23 @@ impl MedusaHeads {
     /// # Errors
     /// [`Error::Shape`] for a wrong `hidden` length; the LM head's errors.
     pub fn head_logits(&self, hidden: &[f32]) -> Result<Vec<Vec<f32>>> {
+        self.first_head_logits(hidden, self.blocks.len())
+    }
+
+    /// [`MedusaHeads::head_logits`] of heads `1..=heads` only (`min(heads, K) × [V]`; at least
+    /// one head): the other ResBlocks and LM-head rows are not computed.
+    ///
+    /// # Errors
+    /// As [`MedusaHeads::head_logits`].
+    pub fn first_head_logits(&self, hidden: &[f32], heads: usize) -> Result<Vec<Vec<f32>>> {
         let h = self.config.hidden_size;
         if hidden.len() != h {
             return Err(Error::Shape(format!("a hidden state of {} values for Medusa heads of hidden size {h}", hidden.len())));
         }
-        let k = self.blocks.len();
+        let k = heads.clamp(1, self.blocks.len());
         let mut rows = Vec::with_capacity(k * h);
         let mut tmp = Vec::with_capacity(h);
-        for b in &self.blocks {
+        for b in &self.blocks[..k] {
             b.apply(hidden, &mut tmp);
             rows.extend_from_slice(&tmp);
         }
@@ -279,10 +288,19 @@ impl deco_generate::medusa::DraftHeads for MedusaHeads {
     }
 
     fn head_logits(&self, hidden: &[f32]) -> deco_generate::Result<Vec<Vec<f32>>> {
-        MedusaHeads::head_logits(self, hidden).map_err(|e| match e {
-            Error::Model(m) => deco_generate::GenerateError::Model(m),
-            other => deco_generate::GenerateError::InvalidInput(other.to_string()),
-        })
+        MedusaHeads::head_logits(self, hidden).map_err(generate_err)
+    }
+
+    fn first_head_logits(&self, hidden: &[f32], heads: usize) -> deco_generate::Result<Vec<Vec<f32>>> {
+        MedusaHeads::first_head_logits(self, hidden, heads).map_err(generate_err)
+    }
+}
+
+/// A heads error as the engine's error type.
+fn generate_err(e: Error) -> deco_generate::GenerateError {
+    match e {
+        Error::Model(m) => deco_generate::GenerateError::Model(m),
+        other => deco_generate::GenerateError::InvalidInput(other.to_string()),
     }
 }
 
@@ -986,6 +1004,13 @@ mod tests {
                 assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "head {k} token {j}: {g} vs {r}");
             }
         }
+        // The first two heads alone: the same rows (same tolerance), head 3 not computed.
+        let two = heads.first_head_logits(&hid, 2).expect("two heads");
+        assert_eq!(two.len(), 2);
+        for (a, b) in two.iter().flatten().zip(got.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        assert_eq!(heads.first_head_logits(&hid, 9).expect("all heads").len(), 3);
     }
 
     /// `W = 0, b = 0`: every head is the identity and gives the base model's next-token logits.

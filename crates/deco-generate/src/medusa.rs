@@ -17,6 +17,18 @@ pub trait DraftHeads: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// A wrong `hidden` length; the LM head kernel's errors.
     fn head_logits(&self, hidden: &[f32]) -> Result<Vec<Vec<f32>>>;
+
+    /// The logits of heads `1..=heads` only (`min(heads, num_heads) × [vocab]`): a candidate
+    /// tree of depth `d` reads heads `1..=d`, and on a CPU each head's LM-head row costs time.
+    /// The default computes every head and drops the rest; implementations skip them.
+    ///
+    /// # Errors
+    /// As [`DraftHeads::head_logits`].
+    fn first_head_logits(&self, hidden: &[f32], heads: usize) -> Result<Vec<Vec<f32>>> {
+        let mut all = self.head_logits(hidden)?;
+        all.truncate(heads);
+        Ok(all)
+    }
 }
 
 use std::sync::Arc;
@@ -289,7 +301,7 @@ impl Medusa {
         let node_room = self.max_context.saturating_sub(ctx_len - 1);
         self.nodes = vec![(root, None)];
         if depth_room > 0 && node_room > 1 {
-            let logits = self.heads.head_logits(hidden)?;
+            let logits = self.heads.first_head_logits(hidden, self.tree.top.len())?;
             let top: Vec<Vec<u32>> = self.tree.top.iter().zip(&logits).map(|(&k, l)| top_k(l, k)).collect();
             for (c, &parent) in self.tree.choices.iter().zip(&self.tree.parents) {
                 if self.nodes.len() >= node_room {
