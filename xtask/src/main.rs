@@ -177,11 +177,11 @@ enum BenchCmd {
         /// Generated tokens per run.
         #[arg(long, default_value_t = 96)]
         max_new_tokens: usize,
-        /// Training steps of the heads.
-        #[arg(long, default_value_t = 600)]
+        /// Training steps of the heads (positions per step: `deco medusa train --batch-size 128`).
+        #[arg(long, default_value_t = 1500)]
         train_steps: usize,
         /// Training prompts (self-distilled responses).
-        #[arg(long, default_value_t = 256)]
+        #[arg(long, default_value_t = 512)]
         train_examples: usize,
         /// Held-out prompts of the accuracy report.
         #[arg(long, default_value_t = 48)]
@@ -192,6 +192,10 @@ enum BenchCmd {
         /// Skip Qwen2.5-Coder-0.5B.
         #[arg(long)]
         skip_qwen: bool,
+        /// 8-bit activations in the packed matmuls of every speed run, greedy and Medusa alike
+        /// (`deco generate --q8-activations`).
+        #[arg(long)]
+        q8_activations: bool,
         /// Only run speed measurements whose label contains one of these (comma-separated).
         #[arg(long)]
         only: Option<String>,
@@ -591,7 +595,7 @@ fn real_main() -> Result<()> {
             deco_bin,
         }),
         Cmd::Bench {
-            which: BenchCmd::Medusa { cache, repeats, max_new_tokens, train_steps, train_examples, eval_examples, threads, skip_qwen, only, deco_bin },
+            which: BenchCmd::Medusa { cache, repeats, max_new_tokens, train_steps, train_examples, eval_examples, threads, skip_qwen, q8_activations, only, deco_bin },
         } => medusa::run(&medusa::Options {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
             no_mirror: cache.no_mirror,
@@ -602,6 +606,7 @@ fn real_main() -> Result<()> {
             eval_examples,
             threads,
             skip_qwen,
+            q8_activations,
             only,
             deco_bin,
         }),

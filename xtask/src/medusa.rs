@@ -36,14 +36,17 @@ pub struct Options {
     pub eval_examples: usize,
     pub threads: usize,
     pub skip_qwen: bool,
+    /// `--q8-activations` on every speed run.
+    pub q8_activations: bool,
     /// Only run speed measurements whose label contains one of these (comma-separated).
     pub only: Option<String>,
     pub deco_bin: Option<PathBuf>,
 }
 
 /// Candidate trees measured (label, `medusa_choices`).
-const TREES: [(&str, &str); 5] = [
+const TREES: [(&str, &str); 6] = [
     ("chain1", "[[0]]"),
+    ("wide2", "[[0],[1]]"),
     ("chain2", "[[0],[0,0]]"),
     ("chain3", "[[0],[0,0],[0,0,0]]"),
     ("tree4", "[[0],[1],[0,0]]"),
@@ -143,7 +146,7 @@ pub fn run(o: &Options) -> Result<()> {
         let train_args: Vec<String> = vec![
             s("medusa"), s("train"), s("--model"), m.path.display().to_string(), s("--data"), gsm_train.display().to_string(),
             s("--out"), heads.display().to_string(), s("--steps"), s(o.train_steps), s("--max-examples"), s(o.train_examples),
-            s("--max-new-tokens"), s(128), s("--seed"), s(0),
+            s("--max-new-tokens"), s(128), s("--seed"), s(0), s("--batch-size"), s(128), s("--eval-every"), s(100),
         ];
         let stamp = work.join(format!("{}-heads.args.json", m.tag));
         let key = json!({"args": train_args, "threads": o.threads}).to_string();
@@ -168,15 +171,19 @@ pub fn run(o: &Options) -> Result<()> {
             accuracy.push((m.name, a));
         }
         // 3. Speed: greedy and every tree, interleaved per repeat and prompt.
+        // Labels of 8-bit-activation runs carry a suffix (their own cache entries).
+        let (q8, q8_args): (&str, Vec<String>) = if o.q8_activations { ("-q8", vec![s("--q8-activations")]) } else { ("", Vec::new()) };
         for p in &m.prompts {
             let mut greedy: Vec<Gen> = Vec::new();
             let mut trees: Vec<Vec<Gen>> = vec![Vec::new(); TREES.len()];
             for rep in 0..o.repeats {
-                let Some(g) = r.generate(&format!("{}-{}-greedy-r{rep}", m.tag, p.name), &m.path, p.text, o.max_new_tokens, &[s("--strategy"), s("greedy")])? else { continue };
+                let greedy_args: Vec<String> = [s("--strategy"), s("greedy")].into_iter().chain(q8_args.iter().cloned()).collect();
+                let Some(g) = r.generate(&format!("{}-{}-greedy{q8}-r{rep}", m.tag, p.name), &m.path, p.text, o.max_new_tokens, &greedy_args)? else { continue };
                 greedy.push(g);
                 for (ti, (label, choices)) in TREES.iter().enumerate() {
-                    let args = [s("--medusa"), heads.display().to_string(), s("--medusa-choices"), s(choices)];
-                    if let Some(x) = r.generate(&format!("{}-{}-{label}-r{rep}", m.tag, p.name), &m.path, p.text, o.max_new_tokens, &args)? {
+                    let args: Vec<String> =
+                        [s("--medusa"), heads.display().to_string(), s("--medusa-choices"), s(choices)].into_iter().chain(q8_args.iter().cloned()).collect();
+                    if let Some(x) = r.generate(&format!("{}-{}-{label}{q8}-r{rep}", m.tag, p.name), &m.path, p.text, o.max_new_tokens, &args)? {
                         trees[ti].push(x);
                     }
                 }
@@ -235,11 +242,12 @@ fn cpu_summary() -> String {
 fn render(accuracy: &[(&str, Value)], rows: &[Row], o: &Options, wall: f64) -> String {
     let mut md = String::new();
     md.push_str(&format!(
-        "Measured by `cargo xtask bench medusa` ({} repeats interleaved, {} new tokens, {} threads, {}; heads: {} steps on {} self-distilled GSM-Symbolic train prompts).\n\n",
+        "Measured by `cargo xtask bench medusa` ({} repeats interleaved, {} new tokens, {} threads, {}{}; heads: {} steps of 128 positions on {} self-distilled GSM-Symbolic train prompts).\n\n",
         o.repeats,
         o.max_new_tokens,
         o.threads,
         cpu_summary(),
+        if o.q8_activations { ", 8-bit activations (`--q8-activations`) in greedy and Medusa runs alike" } else { "" },
         o.train_steps,
         o.train_examples
     ));
