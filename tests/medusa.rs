@@ -248,7 +248,7 @@ fn medusa_sampling_is_seeded_and_bad_settings_are_refused() {
     let heads = || OracleHeads { seq: vec![], hidden: vec![vec![0.0; m.config.hidden_size]], vocab: m.config.vocab_size, ranks: vec![Some(0), Some(1)] };
     let setting = || deco_serve::MedusaSetting {
         heads: Arc::new(heads()),
-        tree: MedusaTree::new(&deco_generate::medusa::default_choices(2), 2).expect("tree"),
+        tree: MedusaTree::new(&deco_generate::medusa::choices_up_to(deco_generate::medusa::SMALL_TREE, 2), 2).expect("tree"),
         acceptance: TypicalAcceptance::default(),
     };
     let params = SamplingParams { temperature: Some(0.8), top_p: Some(0.9), max_new_tokens: Some(24), seed: Some(7), ..Default::default() };

@@ -45,14 +45,26 @@ pub const DEFAULT_POSTERIOR_THRESHOLD: f32 = 0.09;
 pub const DEFAULT_POSTERIOR_ALPHA: f32 = 0.3;
 
 /// deco's default candidate tree (in the reference's `medusa_choices` notation, see
-/// [`MedusaTree`]): 8 candidates + the root, small because on a CPU each extra node of a
-/// decode forward costs time, while the reference's GPU trees (`mc_sim_7b_63`: 63 nodes) are
-/// nearly free there. Measured in `docs/decoding.md`.
-pub const DEFAULT_CHOICES: &[&[usize]] = &[&[0], &[1], &[2], &[0, 0], &[0, 1], &[1, 0], &[0, 0, 0], &[0, 0, 0, 0]];
+/// [`MedusaTree`]): head 1's top token after the root (a chain of depth 1), the fastest tree
+/// measured on a 2-core CPU (`cargo xtask bench medusa`, docs/decoding.md): there each extra
+/// node of the verification forward costs 0.12–0.2 of a decode token, while the reference's
+/// GPU trees (`mc_sim_7b_63`: 63 nodes) are nearly free on a GPU. [`SMALL_TREE`] and wider
+/// trees through `--medusa-choices`.
+pub const DEFAULT_CHOICES: &[&[usize]] = &[&[0]];
+
+/// A small tree of 8 candidates + the root (deco's default before the seventeenth session):
+/// heads 1's top three tokens, two children of the first and one of the second, and a chain to
+/// depth 4.
+pub const SMALL_TREE: &[&[usize]] = &[&[0], &[1], &[2], &[0, 0], &[0, 1], &[1, 0], &[0, 0, 0], &[0, 0, 0, 0]];
 
 /// [`DEFAULT_CHOICES`] without the paths deeper than `num_heads`.
 pub fn default_choices(num_heads: usize) -> Vec<Vec<usize>> {
-    DEFAULT_CHOICES.iter().filter(|c| c.len() <= num_heads).map(|c| c.to_vec()).collect()
+    choices_up_to(DEFAULT_CHOICES, num_heads)
+}
+
+/// The paths of `tree` no deeper than `num_heads`.
+pub fn choices_up_to(tree: &[&[usize]], num_heads: usize) -> Vec<Vec<usize>> {
+    tree.iter().filter(|c| c.len() <= num_heads).map(|c| c.to_vec()).collect()
 }
 
 /// A Medusa candidate tree (the reference's `medusa_choices`, `medusa/model/medusa_choices.py`):

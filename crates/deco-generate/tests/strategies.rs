@@ -543,7 +543,7 @@ fn medusa_greedy_equals_greedy_decoding() {
         vec![vec![0]],
         vec![vec![0], vec![0, 0], vec![0, 0, 0]],
         vec![vec![0], vec![1], vec![0, 0], vec![1, 0], vec![1, 0, 0], vec![1, 1]],
-        deco_generate::medusa::default_choices(3),
+        deco_generate::medusa::choices_up_to(deco_generate::medusa::SMALL_TREE, 3),
     ];
     for salt in 0..12u64 {
         for (ti, tree) in trees.iter().enumerate() {
@@ -580,7 +580,7 @@ fn medusa_sampling_is_seeded_and_typical_acceptance_thresholds() {
     let params = SamplingParams { temperature: Some(0.7), max_new_tokens: Some(16), seed: Some(5), ..Default::default() };
     let run = || {
         let mut lm = prefix_lm(vocab, 3);
-        let tree = MedusaTree::new(&deco_generate::medusa::default_choices(2), 2).expect("tree");
+        let tree = MedusaTree::new(&deco_generate::medusa::choices_up_to(deco_generate::medusa::SMALL_TREE, 2), 2).expect("tree");
         let mut m = Medusa::new(&[1, 2], &params, heads.clone(), tree, TypicalAcceptance::default(), &[], usize::MAX).expect("medusa");
         drive(&mut m, &mut lm, None, &[1, 2]).expect("drive").tokens[0].clone()
     };
