@@ -99,6 +99,42 @@ fn tree_forward_equals_causal_forward_of_each_path() {
     assert!(cache.keep_rows(7, prompt.len(), &[1, 0]).is_err());
 }
 
+/// A tree batched with another sequence's causal chunk in one forward (as the serving engine
+/// schedules them): both get, bit for bit, the logits of causal forwards of their own.
+#[test]
+fn tree_batched_with_a_causal_chunk_equals_separate_forwards() {
+    let m = model();
+    let tok = tokenizer();
+    let prompt_a = tok.encode("The three primary colors are red, yellow and", true).expect("encode");
+    let prompt_b = tok.encode("def fibonacci(n):", true).expect("encode");
+    let nodes: Vec<u32> = tok.encode(" blue, and the three secondary colors", false).expect("encode")[..4].to_vec();
+    let parents = [None, Some(0), Some(0), Some(1)];
+    let chunk: Vec<u32> = tok.encode("\n    if n < 2:", false).expect("encode")[..3].to_vec();
+    let mut cache = paged(m);
+    m.forward(&[SeqInput { seq: 1, tokens: &prompt_a, tree: None }], &mut cache, LogitsWanted::Last).expect("prefill a");
+    m.forward(&[SeqInput { seq: 2, tokens: &prompt_b, tree: None }], &mut cache, LogitsWanted::Last).expect("prefill b");
+    let inputs = [SeqInput { seq: 1, tokens: &nodes, tree: Some(&parents) }, SeqInput { seq: 2, tokens: &chunk, tree: None }];
+    let rows = m.forward(&inputs, &mut cache, LogitsWanted::All).expect("batched forward").logits_rows().expect("rows");
+    assert_eq!(rows.len(), nodes.len() + chunk.len());
+    for (i, row) in rows[..nodes.len()].iter().enumerate() {
+        let (mut path, mut n) = (vec![i], i);
+        while let Some(p) = parents[n] {
+            path.push(p);
+            n = p;
+        }
+        let mut seq = prompt_a.clone();
+        seq.extend(path.iter().rev().map(|&j| nodes[j]));
+        let want = causal_last(m, &seq);
+        assert!(row == &want, "tree node {i}: max logit difference {}", max_diff(row, &want));
+    }
+    for (j, row) in rows[nodes.len()..].iter().enumerate() {
+        let mut seq = prompt_b.clone();
+        seq.extend(&chunk[..=j]);
+        let want = causal_last(m, &seq);
+        assert!(row == &want, "chunk token {j}: max logit difference {}", max_diff(row, &want));
+    }
+}
+
 /// With an f16 paged cache (`--kv-cache-dtype f16`) the tree's nodes read the rounded keys and
 /// values of their paths: each node's logits equal, bit for bit, those of a causal forward of
 /// the prompt and its path through an f16 cache.

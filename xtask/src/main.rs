@@ -177,12 +177,18 @@ enum BenchCmd {
         /// Generated tokens per run.
         #[arg(long, default_value_t = 96)]
         max_new_tokens: usize,
-        /// Training steps of the heads (positions per step: `deco medusa train --batch-size 128`).
+        /// Training steps of the SmolLM2 heads (128 positions per step).
         #[arg(long, default_value_t = 1500)]
         train_steps: usize,
         /// Training prompts (self-distilled responses).
         #[arg(long, default_value_t = 512)]
         train_examples: usize,
+        /// Training steps of the Qwen2.5-Coder-0.5B heads (64 positions per step).
+        #[arg(long, default_value_t = 300)]
+        qwen_train_steps: usize,
+        /// Training prompts of the Qwen2.5-Coder-0.5B heads.
+        #[arg(long, default_value_t = 128)]
+        qwen_train_examples: usize,
         /// Held-out prompts of the accuracy report.
         #[arg(long, default_value_t = 48)]
         eval_examples: usize,
@@ -595,7 +601,21 @@ fn real_main() -> Result<()> {
             deco_bin,
         }),
         Cmd::Bench {
-            which: BenchCmd::Medusa { cache, repeats, max_new_tokens, train_steps, train_examples, eval_examples, threads, skip_qwen, q8_activations, only, deco_bin },
+            which: BenchCmd::Medusa {
+                cache,
+                repeats,
+                max_new_tokens,
+                train_steps,
+                train_examples,
+                qwen_train_steps,
+                qwen_train_examples,
+                eval_examples,
+                threads,
+                skip_qwen,
+                q8_activations,
+                only,
+                deco_bin,
+            },
         } => medusa::run(&medusa::Options {
             cache: util::cache_dir(cache.cache_dir.as_deref()),
             no_mirror: cache.no_mirror,
@@ -603,6 +623,8 @@ fn real_main() -> Result<()> {
             max_new_tokens,
             train_steps,
             train_examples,
+            qwen_train_steps,
+            qwen_train_examples,
             eval_examples,
             threads,
             skip_qwen,

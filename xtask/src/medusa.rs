@@ -28,10 +28,15 @@ pub struct Options {
     pub repeats: usize,
     /// Generated tokens per run.
     pub max_new_tokens: usize,
-    /// Training steps of the heads.
+    /// Training steps of the SmolLM2 heads (128 positions each).
     pub train_steps: usize,
-    /// Training prompts (self-distilled responses).
+    /// Training prompts of the SmolLM2 heads (self-distilled responses).
     pub train_examples: usize,
+    /// Training steps of the Qwen2.5-Coder-0.5B heads (64 positions each: its LM head is 3×
+    /// SmolLM2's, its hidden size 1.6×).
+    pub qwen_train_steps: usize,
+    /// Training prompts of the Qwen2.5-Coder-0.5B heads.
+    pub qwen_train_examples: usize,
     /// Held-out prompts of the accuracy report.
     pub eval_examples: usize,
     pub threads: usize,
@@ -58,6 +63,19 @@ struct Model {
     tag: &'static str,
     path: PathBuf,
     prompts: Vec<Prompt>,
+    /// Training prompts file, steps, prompts, positions per step.
+    train: (PathBuf, usize, usize, usize),
+}
+
+/// Writes `n` training prompts spread over the whole GSM train file (it is grouped by
+/// template: its first lines cover a few templates only) to `out`.
+fn pick_train_prompts(cache: &Path, n: usize, out: &Path) -> Result<()> {
+    let all = fs::read_to_string(cache.join("data/gsm_train.jsonl")).context("reading gsm_train.jsonl")?;
+    let lines: Vec<&str> = all.lines().filter(|l| !l.trim().is_empty()).collect();
+    let stride = (lines.len() / n.max(1)).max(1);
+    let picked: Vec<&str> = lines.iter().step_by(stride).take(n).copied().collect();
+    fs::write(out, picked.join("\n") + "\n")?;
+    Ok(())
 }
 
 /// One speed row: a model, a prompt, a tree.
@@ -110,29 +128,25 @@ pub fn run(o: &Options) -> Result<()> {
     fs::create_dir_all(&results)?;
     let only: Vec<String> = o.only.as_deref().unwrap_or("").split(',').map(str::trim).filter(|x| !x.is_empty()).map(String::from).collect();
     let r = Runner { bin: bin.clone(), results, threads: o.threads, only };
-    // Training prompts spread over the whole train file (it is grouped by template: its first
-    // lines cover a few templates only).
     let gsm_train = work.join("train_prompts.jsonl");
-    {
-        let all = fs::read_to_string(o.cache.join("data/gsm_train.jsonl")).context("reading gsm_train.jsonl")?;
-        let lines: Vec<&str> = all.lines().filter(|l| !l.trim().is_empty()).collect();
-        let stride = (lines.len() / o.train_examples.max(1)).max(1);
-        let picked: Vec<&str> = lines.iter().step_by(stride).take(o.train_examples).copied().collect();
-        fs::write(&gsm_train, picked.join("\n") + "\n")?;
-    }
+    pick_train_prompts(&o.cache, o.train_examples, &gsm_train)?;
     let gsm_eval = o.cache.join("data/gsm_eval.jsonl");
     let mut models = vec![Model {
         name: "SmolLM2-135M",
         tag: "smol",
         path: o.cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
         prompts: crate::decoding::smol_prompts().into_iter().chain(gsm_prompts(&gsm_eval, 100, 2)?).collect(),
+        train: (gsm_train, o.train_steps, o.train_examples, 128),
     }];
     if !o.skip_qwen {
+        let qwen_train = work.join("train_prompts_qwen05.jsonl");
+        pick_train_prompts(&o.cache, o.qwen_train_examples, &qwen_train)?;
         models.push(Model {
             name: "Qwen2.5-Coder-0.5B",
             tag: "qwen05",
             path: o.cache.join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
             prompts: crate::decoding::qwen_prompts().into_iter().chain(gsm_prompts(&gsm_eval, 100, 2)?).collect(),
+            train: (qwen_train, o.qwen_train_steps, o.qwen_train_examples, 64),
         });
     }
     let mut accuracy = Vec::new();
@@ -143,10 +157,11 @@ pub fn run(o: &Options) -> Result<()> {
         }
         // 1. Heads (trained once, cached with their arguments).
         let heads = work.join(format!("{}-heads", m.tag));
+        let (data, steps, examples, batch) = &m.train;
         let train_args: Vec<String> = vec![
-            s("medusa"), s("train"), s("--model"), m.path.display().to_string(), s("--data"), gsm_train.display().to_string(),
-            s("--out"), heads.display().to_string(), s("--steps"), s(o.train_steps), s("--max-examples"), s(o.train_examples),
-            s("--max-new-tokens"), s(128), s("--seed"), s(0), s("--batch-size"), s(128), s("--eval-every"), s(100),
+            s("medusa"), s("train"), s("--model"), m.path.display().to_string(), s("--data"), data.display().to_string(),
+            s("--out"), heads.display().to_string(), s("--steps"), s(steps), s("--max-examples"), s(examples),
+            s("--max-new-tokens"), s(128), s("--seed"), s(0), s("--batch-size"), s(batch), s("--eval-every"), s(100),
         ];
         let stamp = work.join(format!("{}-heads.args.json", m.tag));
         let key = json!({"args": train_args, "threads": o.threads}).to_string();
@@ -241,8 +256,13 @@ fn cpu_summary() -> String {
 
 fn render(accuracy: &[(&str, Value)], rows: &[Row], o: &Options, wall: f64) -> String {
     let mut md = String::new();
+    let qwen = if o.skip_qwen {
+        String::new()
+    } else {
+        format!("; Qwen2.5-Coder-0.5B: {} steps of 64 positions on {} prompts", o.qwen_train_steps, o.qwen_train_examples)
+    };
     md.push_str(&format!(
-        "Measured by `cargo xtask bench medusa` ({} repeats interleaved, {} new tokens, {} threads, {}{}; heads: {} steps of 128 positions on {} self-distilled GSM-Symbolic train prompts).\n\n",
+        "Measured by `cargo xtask bench medusa` ({} repeats interleaved, {} new tokens, {} threads, {}{}; heads: SmolLM2 {} steps of 128 positions on {} self-distilled GSM-Symbolic train prompts{qwen}).\n\n",
         o.repeats,
         o.max_new_tokens,
         o.threads,

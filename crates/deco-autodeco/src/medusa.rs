@@ -256,8 +256,8 @@ impl MedusaHeads {
         self.first_head_logits(hidden, self.blocks.len())
     }
 
-    /// [`MedusaHeads::head_logits`] of heads `1..=heads` only (`min(heads, K) × [V]`; at least
-    /// one head): the other ResBlocks and LM-head rows are not computed.
+    /// [`MedusaHeads::head_logits`] of heads `1..=heads` only (`min(heads, K) × [V]`, nothing
+    /// for 0): the other ResBlocks and LM-head rows are not computed.
     ///
     /// # Errors
     /// As [`MedusaHeads::head_logits`].
@@ -266,7 +266,10 @@ impl MedusaHeads {
         if hidden.len() != h {
             return Err(Error::Shape(format!("a hidden state of {} values for Medusa heads of hidden size {h}", hidden.len())));
         }
-        let k = heads.clamp(1, self.blocks.len());
+        let k = heads.min(self.blocks.len());
+        if k == 0 {
+            return Ok(Vec::new());
+        }
         let mut rows = Vec::with_capacity(k * h);
         let mut tmp = Vec::with_capacity(h);
         for b in &self.blocks[..k] {
@@ -1011,6 +1014,7 @@ mod tests {
             assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
         }
         assert_eq!(heads.first_head_logits(&hid, 9).expect("all heads").len(), 3);
+        assert!(heads.first_head_logits(&hid, 0).expect("no head").is_empty());
     }
 
     /// `W = 0, b = 0`: every head is the identity and gives the base model's next-token logits.

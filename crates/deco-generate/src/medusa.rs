@@ -313,7 +313,8 @@ impl Medusa {
         let node_room = self.max_context.saturating_sub(ctx_len - 1);
         self.nodes = vec![(root, None)];
         if depth_room > 0 && node_room > 1 {
-            let logits = self.heads.first_head_logits(hidden, self.tree.top.len())?;
+            // Heads deeper than the tokens still allowed would only feed cut-off candidates.
+            let logits = self.heads.first_head_logits(hidden, self.tree.top.len().min(depth_room))?;
             let top: Vec<Vec<u32>> = self.tree.top.iter().zip(&logits).map(|(&k, l)| top_k(l, k)).collect();
             for (c, &parent) in self.tree.choices.iter().zip(&self.tree.parents) {
                 if self.nodes.len() >= node_room {

@@ -822,9 +822,9 @@ fn interleave(parts: Vec<Option<Tensor<2>>>, spans: &[Span], fused: Option<Tenso
 }
 
 /// Attention of a batch against a [`KvCache`]: each sequence's new keys and values are appended
-/// to its cache and its queries attend over everything cached (causal from its past length);
-/// with the fused decode attention on, the one-token sequences go through
-/// [`Llama::attention_fused`].
+/// to its cache and its queries attend over everything cached (causal from its past length, or
+/// along its path for a token tree); with the fused decode attention on and a cache with host
+/// storage, every sequence goes through [`Llama::attention_fused`].
 struct CacheAttention<'a, 'b> {
     model: &'a Llama,
     batch: &'a Batch,
