@@ -53,7 +53,7 @@ pub const DEFAULT_POSTERIOR_ALPHA: f32 = 0.3;
 pub const DEFAULT_CHOICES: &[&[usize]] = &[&[0]];
 
 /// A small tree of 8 candidates + the root (deco's default before the seventeenth session):
-/// heads 1's top three tokens, two children of the first and one of the second, and a chain to
+/// head 1's top three tokens, two children of the first and one of the second, and a chain to
 /// depth 4.
 pub const SMALL_TREE: &[&[usize]] = &[&[0], &[1], &[2], &[0, 0], &[0, 1], &[1, 0], &[0, 0, 0], &[0, 0, 0, 0]];
 
