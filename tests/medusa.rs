@@ -44,6 +44,17 @@ fn causal_last(m: &Llama, tokens: &[u32]) -> Vec<f32> {
     out.logits_rows().expect("rows").remove(0)
 }
 
+/// Node `i`'s path in a token tree of `parents`, root first, `i` last.
+fn path_of(parents: &[Option<usize>], i: usize) -> Vec<usize> {
+    let (mut path, mut n) = (vec![i], i);
+    while let Some(p) = parents[n] {
+        path.push(p);
+        n = p;
+    }
+    path.reverse();
+    path
+}
+
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
@@ -63,23 +74,14 @@ fn tree_forward_equals_causal_forward_of_each_path() {
     let parents = [None, Some(0), Some(0), Some(1), Some(2), Some(3), Some(3)];
     let out = m.forward(&[SeqInput { seq: 7, tokens: &nodes, tree: Some(&parents) }], &mut cache, LogitsWanted::All).expect("tree forward");
     let rows = out.logits_rows().expect("rows");
-    let path_of = |mut i: usize| {
-        let mut p = vec![i];
-        while let Some(a) = parents[i] {
-            p.push(a);
-            i = a;
-        }
-        p.reverse();
-        p
-    };
     for (i, row) in rows.iter().enumerate() {
         let mut seq = prompt.clone();
-        seq.extend(path_of(i).iter().map(|&j| nodes[j]));
+        seq.extend(path_of(&parents, i).iter().map(|&j| nodes[j]));
         let want = causal_last(m, &seq);
         // The fused CPU attention reads the path's rows in causal order and the packed matmul
         // is batch-invariant: the node's logits are the causal forward's, bit for bit.
         let d = max_diff(row, &want);
-        assert!(row == &want, "node {i} (path {:?}): max logit difference {d}", path_of(i));
+        assert!(row == &want, "node {i} (path {:?}): max logit difference {d}", path_of(&parents, i));
     }
     // Keep the path 0 -> 1 -> 3 -> 6 (nodes 2, 4, 5 dropped in between), then one more token.
     let keep = [0, 1, 3, 6];
@@ -117,13 +119,8 @@ fn tree_batched_with_a_causal_chunk_equals_separate_forwards() {
     let rows = m.forward(&inputs, &mut cache, LogitsWanted::All).expect("batched forward").logits_rows().expect("rows");
     assert_eq!(rows.len(), nodes.len() + chunk.len());
     for (i, row) in rows[..nodes.len()].iter().enumerate() {
-        let (mut path, mut n) = (vec![i], i);
-        while let Some(p) = parents[n] {
-            path.push(p);
-            n = p;
-        }
         let mut seq = prompt_a.clone();
-        seq.extend(path.iter().rev().map(|&j| nodes[j]));
+        seq.extend(path_of(&parents, i).iter().map(|&j| nodes[j]));
         let want = causal_last(m, &seq);
         assert!(row == &want, "tree node {i}: max logit difference {}", max_diff(row, &want));
     }
@@ -153,13 +150,8 @@ fn tree_forward_through_an_f16_cache_equals_causal_forward() {
         .logits_rows()
         .expect("rows");
     for (i, row) in rows.iter().enumerate() {
-        let (mut path, mut n) = (vec![i], i);
-        while let Some(p) = parents[n] {
-            path.push(p);
-            n = p;
-        }
         let mut seq = prompt.clone();
-        seq.extend(path.iter().rev().map(|&j| nodes[j]));
+        seq.extend(path_of(&parents, i).iter().map(|&j| nodes[j]));
         let mut causal = paged_of(m, KvCacheDtype::F16);
         let want = m
             .forward(&[SeqInput { seq: 0, tokens: &seq, tree: None }], &mut causal, LogitsWanted::Last)

@@ -348,10 +348,19 @@ fn attend_group<E: KvElement>(q: &[f32], shape: AttnShape, seqs: &[SeqKv<'_, E>]
     }
 }
 
+impl<E: KvElement> SeqKv<'_, E> {
+    /// The storage row (`[kv_heads, head_dim]` values) of position `p < len`:
+    /// `block_table[p / block_size] · block_size + p % block_size`.
+    #[inline(always)]
+    pub fn physical_row(&self, p: usize) -> usize {
+        self.block_table[p / self.block_size] as usize * self.block_size + p % self.block_size
+    }
+}
+
 /// Offset of position `p` (kv head 0) in the storage of `s` (`row` = `kv_heads · head_dim`).
 #[inline(always)]
 fn row_offset<E: KvElement>(s: &SeqKv<'_, E>, p: usize, row: usize) -> usize {
-    (s.block_table[p / s.block_size] as usize * s.block_size + p % s.block_size) * row
+    s.physical_row(p) * row
 }
 
 /// The portable task: the online softmax of the `g` query heads `qs` (`[g, head_dim]`) of kv

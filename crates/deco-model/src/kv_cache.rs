@@ -30,6 +30,14 @@ impl HostKv<'_> {
         }
     }
 
+    /// The storage row of position `p` ([`SeqKv::physical_row`]).
+    pub fn physical_row(&self, p: usize) -> usize {
+        match self {
+            HostKv::F32(s) => s.physical_row(p),
+            HostKv::F16(s) => s.physical_row(p),
+        }
+    }
+
     /// Whether the view covers no position (never, for a view the caches return).
     pub fn is_empty(&self) -> bool {
         self.len() == 0

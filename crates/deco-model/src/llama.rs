@@ -649,18 +649,15 @@ impl Llama {
         let view = |seq: SeqId, len: usize| {
             cache.host_view(li, seq, len).ok_or_else(|| Error::InvalidInput(format!("KV cache has no host view of sequence {seq} at layer {li}")))
         };
-        // Row tables of the tree nodes, built before the views that borrow them.
-        let mut tables: Vec<Vec<u32>> = Vec::new();
+        // Per tree node: its sequence's whole view and its row table, built before the views
+        // that borrow the tables.
+        let mut tables: Vec<(HostKv<'_>, Vec<u32>)> = Vec::new();
         for (inp, sp) in inputs.iter().zip(&batch.spans) {
             if is_tree(inp, sp) {
                 let parents = inp.tree.unwrap_or_default();
                 let full = view(inp.seq, sp.past + sp.len)?;
-                let (table, bs) = match full {
-                    HostKv::F32(s) => (s.block_table, s.block_size),
-                    HostKv::F16(s) => (s.block_table, s.block_size),
-                };
                 let phys = |p: usize| -> Result<u32> {
-                    u32::try_from(table[p / bs] as usize * bs + p % bs)
+                    u32::try_from(full.physical_row(p))
                         .map_err(|_| Error::InvalidInput(format!("sequence {}: KV row {p} beyond u32 rows", inp.seq)))
                 };
                 let prefix = (0..sp.past).map(phys).collect::<Result<Vec<u32>>>()?;
@@ -674,7 +671,7 @@ impl Llama {
                     for &n in path.iter().rev() {
                         rows.push(phys(sp.past + n)?);
                     }
-                    tables.push(rows);
+                    tables.push((full, rows));
                 }
             }
         }
@@ -684,10 +681,10 @@ impl Llama {
             let tree = is_tree(inp, sp);
             for j in 0..sp.len {
                 if tree {
-                    let rows = &tables[t];
+                    let (full, rows) = &tables[t];
                     t += 1;
                     let len = rows.len();
-                    views.push(match view(inp.seq, sp.past + sp.len)? {
+                    views.push(match *full {
                         HostKv::F32(s) => HostKv::F32(SeqKv { block_table: rows, block_size: 1, len, ..s }),
                         HostKv::F16(s) => HostKv::F16(SeqKv { block_table: rows, block_size: 1, len, ..s }),
                     });

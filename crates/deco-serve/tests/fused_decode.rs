@@ -90,7 +90,7 @@ fn flat_paged(s: &deco_model::HostKv<'_>, k: bool) -> Vec<f32> {
         let src = if k { s.k } else { s.v };
         let mut out = Vec::with_capacity(s.len * row);
         for p in 0..s.len {
-            let off = (s.block_table[p / s.block_size] as usize * s.block_size + p % s.block_size) * row;
+            let off = s.physical_row(p) * row;
             out.extend(src[off..off + row].iter().map(|x| x.to_f32()));
         }
         out
