@@ -19,6 +19,7 @@
 
 pub mod act;
 pub mod attention;
+pub mod bf16;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod cube;
 pub mod dense;
