@@ -169,7 +169,9 @@ fn reference_mse_params(v: &[f32], bits: u32, sym: bool, norm: f64) -> (f32, f32
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
     /// The shrink search never does worse than min-max on its own objective (p = 1 is
-    /// min-max), picks what the reference loop picks, and returns a valid scale / zero.
+    /// min-max), picks what the reference loop picks up to the f32 rounding of the errors it
+    /// compares (the search sums f32 terms, as the reference's torch code does; this reference
+    /// sums in f64), and returns a valid scale / zero.
     #[test]
     fn mse_params_never_worse_than_minmax_and_match_reference(
         seed: u64, n in 2usize..160, bits_i in 0usize..3, sym: bool, outlier in 0.0f32..20.0,
@@ -182,9 +184,10 @@ proptest! {
         let (s, z) = find_params_mse(&v, bits, sym, 2.4, 100, 0.8);
         prop_assert!(s > 0.0 && s.is_finite() && z >= 0.0 && z <= ((1u32 << bits) - 1) as f32 && z.fract() == 0.0);
         let (e0, e) = (group_err(&v, s0, z0, bits, 2.4), group_err(&v, s, z, bits, 2.4));
-        prop_assert!(e <= e0 * (1.0 + 1e-12), "mse search {e} worse than min-max {e0}");
+        prop_assert!(e <= e0 * (1.0 + 2e-5), "mse search {e} worse than min-max {e0}");
         let (rs, rz) = reference_mse_params(&v, bits, sym, 2.4);
-        prop_assert_eq!((s, z), (rs, rz));
+        let er = group_err(&v, rs, rz, bits, 2.4);
+        prop_assert!((s, z) == (rs, rz) || e <= er * (1.0 + 2e-5), "picked ({s}, {z}) error {e}, the reference ({rs}, {rz}) {er}");
     }
 }
 

@@ -11,7 +11,7 @@ use burn::tensor::Device;
 use deco_formats::checkpoint::Checkpoint;
 use deco_formats::tokenizer::Tokenizer;
 use deco_formats::gguf::GgufFile;
-use deco_model::calibrate::{Calibrator, LayerWeights, Linear};
+use deco_model::calibrate::{CalibDtype, Calibrator, LayerWeights, Linear};
 use deco_model::decoder::NoHook;
 use deco_model::host::to_host;
 use deco_model::{DenseKvCache, Llama, LogitsWanted, SeqInput};
@@ -68,6 +68,43 @@ fn calibrator_matches_float64_reference() {
     assert!(err0 <= 2e-3 && err1 <= 2e-3, "max logit error {err0} / {err1}");
     assert!(Calibrator::new(cfg, &dev, &[]).is_err());
     assert!(calibration_windows(&[1, 2, 3], 4, 8, 0).is_err());
+}
+
+/// The bf16 calibration products (`CalibDtype::Bf16`) against the same float64 reference: the
+/// whole model's logits stay within the error that rounding every linear's inputs to 8
+/// significant bits explains, and the argmax token is the reference's nearly everywhere. Where
+/// the CPU lacks AVX-512 BF16 the dtype is refused instead.
+#[test]
+fn bf16_calibrator_stays_near_float64_reference() {
+    let ck = ckpt();
+    let g = golden();
+    let cfg = &ck.config;
+    let (c, windows, embed) = golden_windows();
+    if !deco_kernels::bf16::available() {
+        assert!(c.with_dtype(CalibDtype::Bf16).is_err());
+        return;
+    }
+    let c = c.with_dtype(CalibDtype::Bf16).unwrap();
+    assert_eq!(c.dtype(), CalibDtype::Bf16);
+    let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
+    let (_, norm) = ck.tensor("model.norm.weight").unwrap();
+    let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ck.tensor(n)?) };
+    let mut layers = |li: usize| LayerWeights::fetch(cfg, li, &src);
+    let got = to_host(c.forward_logits(&windows, &embed, &mut layers, &norm, &embed, &NoHook).unwrap()).unwrap();
+    let v = cfg.vocab_size;
+    let all0 = &g.tensors["prompt0.all_logits"].1;
+    let argmax = |r: &[f32]| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);
+    let (mut worst, mut sum, mut same) = (0.0f32, 0.0f64, 0usize);
+    for t in 0..lens[0] {
+        let (a, b) = (&got[t * v..(t + 1) * v], &all0[t * v..(t + 1) * v]);
+        worst = worst.max(max_abs_diff(a, b));
+        sum += a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).sum::<f64>() / v as f64;
+        same += usize::from(argmax(a) == argmax(b));
+    }
+    let mean = sum / lens[0] as f64;
+    eprintln!("bf16 calibrator vs float64 reference: max logit error {worst:.3e}, mean {mean:.3e}, argmax equal at {same}/{}", lens[0]);
+    assert!(worst <= 0.5 && mean <= 0.05, "bf16 logits error max {worst} mean {mean}");
+    assert!(same * 20 >= lens[0] * 19, "argmax equal at only {same} of {} positions", lens[0]);
 }
 
 /// `Calibrator::upload_replacing` (AWQ's candidates) gives the same layer as uploading the
@@ -195,7 +232,7 @@ fn quant_table() {
             continue;
         }
         let t0 = Instant::now();
-        let q = quantize_model(cfg, &src, &dev, &windows, &method, &scheme, &mut |_| {}).unwrap();
+        let q = quantize_model(cfg, &src, &dev, &windows, &method, &scheme, deco_model::calibrate::CalibDtype::F32, &mut |_| {}).unwrap();
         let secs = t0.elapsed().as_secs_f64();
         let qsrc = q.source(&src);
         let model = Llama::load_from(cfg, &qsrc, &dev, Some(512)).unwrap();

@@ -38,7 +38,7 @@ fn src(n: &str) -> deco_model::Result<(Vec<usize>, Vec<f32>)> {
 
 fn rtn(bits: u32, sym: bool, gs: usize) -> BTreeMap<String, QuantizedTensor> {
     let scheme = Scheme { bits, sym, granularity: Granularity::PerGroup(gs) };
-    quantize_linears(&ckpt().config, &src, &Device::flex(), &[], &Method::Rtn, &scheme, &mut |_| {}).unwrap()
+    quantize_linears(&ckpt().config, &src, &Device::flex(), &[], &Method::Rtn, &scheme, deco_model::calibrate::CalibDtype::F32, &mut |_| {}).unwrap()
 }
 
 /// Golden-protocol perplexity (first 20,000 chars of wiki_test, 4 windows of 256, no BOS).

@@ -135,13 +135,19 @@ fn main() -> ExitCode {
         Command::Inspect { file } => inspect(&file),
         Command::Convert(args) => convert::run(&args),
         Command::Eval(EvalCommand::Ppl(args)) => ppl::run(&args),
-        Command::Prune(args) => prune::run(&args),
+        Command::Prune(args) => {
+            runtime::retain_freed_memory();
+            prune::run(&args)
+        }
         Command::Distill(args) => distill::run(&args),
         Command::Autodeco(cmd) => autodeco::run(&cmd),
         Command::Eval(EvalCommand::Kld(args)) => kld::run(&args),
         Command::Eval(EvalCommand::EarlyExit(args)) => early_exit_eval::run(&args),
         Command::Eval(EvalCommand::LayerError(args)) => layer_error::run(&args),
-        Command::Quantize(args) => quantize::run(&args),
+        Command::Quantize(args) => {
+            runtime::retain_freed_memory();
+            quantize::run(&args)
+        }
         Command::Lora(cmd) => lora::run(&cmd),
         Command::Medusa(cmd) => medusa::run(&cmd),
     };

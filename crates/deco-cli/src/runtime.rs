@@ -200,3 +200,27 @@ pub fn open_step_log(path: &Path, resume: bool, start_step: usize) -> Result<std
     }
     Ok(f)
 }
+
+/// Keeps the memory that the compression jobs free for their next allocation instead of giving
+/// it back to the kernel (glibc: no `mmap` for large blocks, no trimming of the heap).
+///
+/// A calibration pass allocates ~1.5 GB of fresh activations per decoder layer of SmolLM2-135M
+/// (each `[32768, width]` stage output, its host copies and bf16 conversions, 75-400 MB apiece).
+/// glibc serves blocks above 32 MiB with `mmap` and unmaps them on `free`, so every layer
+/// faulted in and zeroed ~45 GB of pages over a run: 27-30 s of system time in a 77 s
+/// `deco quantize --method gptq` (11 M minor faults). Served from the heap, the freed blocks
+/// are reused: 2.3 s of system time, 0.4 M faults, 61 s, byte-identical output, peak RSS
+/// 1.52 → 1.65 GB (docs/performance.md, eighteenth session). Other allocators did not help
+/// (jemalloc and mimalloc also return large blocks eagerly; the eleventh session's table).
+///
+/// Only for the batch jobs (`quantize`, `prune`): a server's memory should go back when idle.
+/// Does nothing on other platforms.
+pub fn retain_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator parameters; it is called before the job's threads
+    // allocate anything large. A failed call (returns 0) leaves glibc's defaults.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}

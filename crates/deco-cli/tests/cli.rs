@@ -208,6 +208,9 @@ fn quantize_refuses_gptq_options_it_cannot_honour() {
     assert_clean_error(&r, &["--mse", "gptq"]);
     let r = deco(&[&base[..], &["--method", "gptq", "--mse", "-1"]].concat());
     assert_clean_error(&r, &["--mse", "-1"]);
+    // --calib-dtype is the calibration products' precision: refused where nothing calibrates.
+    let r = deco(&[&base[..], &["--method", "rtn", "--calib-dtype", "bf16"]].concat());
+    assert_clean_error(&r, &["--calib-dtype", "calibrate"]);
     // The default calibration mix has two files: one window cannot cover both.
     let r = deco(&[&base[..], &["--method", "gptq", "--nsamples", "1"]].concat());
     assert_clean_error(&r, &["--nsamples 1", "2 calibration files"]);

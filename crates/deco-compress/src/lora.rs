@@ -702,7 +702,7 @@ pub fn linear_of(name: &str) -> Option<(usize, Linear)> {
 /// `deco_quant`'s (missing tensors).
 pub fn nf4_base(cfg: &ModelConfig, tensor: &TensorFn<'_>, progress: &mut dyn FnMut(usize)) -> Result<HashMap<String, Vec<f32>>> {
     let scheme = Scheme { bits: 4, sym: true, granularity: Granularity::PerGroup(NF4_BLOCKSIZE) };
-    let qm = quantize_model(cfg, tensor, &Device::flex(), &[], &Method::Nf4, &scheme, progress)?;
+    let qm = quantize_model(cfg, tensor, &Device::flex(), &[], &Method::Nf4, &scheme, deco_model::calibrate::CalibDtype::F32, progress)?;
     Ok(qm.linears)
 }
 

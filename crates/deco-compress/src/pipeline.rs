@@ -79,7 +79,7 @@ impl PrunedModel {
 /// # Errors
 /// A failed device read.
 pub fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
-    Ok(deco_quant::pipeline::gram(x)?)
+    Ok(deco_quant::pipeline::gram(x, deco_model::calibrate::CalibDtype::F32)?)
 }
 
 /// Per-column `Σ_t x_tj²` of a `[tokens, cols]` device tensor.

@@ -383,8 +383,11 @@ impl LinearWeight {
                 let [n, _] = x.dims();
                 let device = x.device();
                 let mut y = vec![0.0f32; n * w.out];
-                crate::host::with_host(&x, |xs| deco_kernels::dense::matmul(xs, n, &w.data, w.inner, w.out, &mut y))?
-                    .map_err(|e| Error::InvalidInput(e.to_string()))?;
+                crate::host::with_host(&x, |xs| match &w.bf16 {
+                    Some(p) if n > deco_kernels::dense::SMALL_N => deco_kernels::bf16::matmul(xs, n, p, &mut y),
+                    _ => deco_kernels::dense::matmul(xs, n, &w.data, w.inner, w.out, &mut y),
+                })?
+                .map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, w.out]), &device))
             }
             LinearWeight::Packed(m) => {
@@ -494,10 +497,19 @@ impl LinearWeight {
     /// same input, fused along the output dimension ([`crate::host::fuse_transposed`]) and
     /// uploaded to `device` as `[inner, Σ out_i]`.
     pub fn dense_fused(parts: &[(&[f32], usize)], inner: usize, device: &Device) -> Self {
+        Self::dense_fused_as(parts, inner, device, false)
+    }
+
+    /// [`LinearWeight::dense_fused`], with `bf16` also packed for bf16 products on the host
+    /// ([`HostDense::bf16`]); `bf16` is ignored off the host (the caller checks
+    /// [`deco_kernels::bf16::available`] and the device first, see
+    /// [`crate::calibrate::Calibrator::with_dtype`]).
+    pub fn dense_fused_as(parts: &[(&[f32], usize)], inner: usize, device: &Device, bf16: bool) -> Self {
         let total: usize = parts.iter().map(|p| p.1).sum();
         let fused = crate::host::fuse_transposed(parts, inner);
         if *device == Device::flex() && !device.is_autodiff() {
-            return LinearWeight::Host(Arc::new(HostDense { data: fused, inner, out: total }));
+            let packed = bf16.then(|| deco_kernels::bf16::PackedBf16::new(&fused, inner, total).ok()).flatten();
+            return LinearWeight::Host(Arc::new(HostDense { data: fused, inner, out: total, bf16: packed }));
         }
         LinearWeight::Dense(Tensor::from_data(TensorData::new(fused, [inner, total]), device))
     }
@@ -512,6 +524,10 @@ pub struct HostDense {
     pub inner: usize,
     /// Output features.
     pub out: usize,
+    /// The same weight packed for bf16 products ([`deco_kernels::bf16`]): when present, calls of
+    /// more than [`deco_kernels::dense::SMALL_N`] tokens multiply bf16-rounded activations by
+    /// it (the calibration passes of [`crate::calibrate::CalibDtype::Bf16`]).
+    pub bf16: Option<deco_kernels::bf16::PackedBf16>,
 }
 
 /// One decoder layer's weights as the model runs them: norms on the device, Q/K/V and gate/up

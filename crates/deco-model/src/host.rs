@@ -46,23 +46,31 @@ pub fn to_host_rows(t: Tensor<2>) -> Result<Vec<Vec<f32>>> {
     with_host(&t, |h| h.chunks(cols.max(1)).map(<[f32]>::to_vec).collect())
 }
 
-/// Transposes a row-major `[rows, cols]` buffer into `[cols, rows]` (blocked for cache reuse).
+/// Transposes a row-major `[rows, cols]` buffer into `[cols, rows]` (blocked for cache reuse;
+/// blocks of 32 output rows in parallel).
 ///
 /// # Panics
 /// Never for `data.len() == rows · cols`; shorter data panics on the index (callers check the
 /// shape first).
 pub fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    use rayon::prelude::*;
     let mut out = vec![0.0f32; data.len()];
     const B: usize = 32;
-    for r0 in (0..rows).step_by(B) {
-        for c0 in (0..cols).step_by(B) {
+    if rows == 0 || cols == 0 {
+        return out;
+    }
+    // Blocks of B output rows (input columns) in parallel, each written by one task.
+    out.par_chunks_mut(B * rows).enumerate().for_each(|(i, chunk)| {
+        let c0 = i * B;
+        let c1 = (c0 + B).min(cols);
+        for r0 in (0..rows).step_by(B) {
             for r in r0..(r0 + B).min(rows) {
-                for c in c0..(c0 + B).min(cols) {
-                    out[c * rows + r] = data[r * cols + c];
+                for c in c0..c1 {
+                    chunk[(c - c0) * rows + r] = data[r * cols + c];
                 }
             }
         }
-    }
+    });
     out
 }
 
@@ -73,8 +81,8 @@ pub fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// the order given (`deco_model::Llama`'s and the trainers' layout).
 pub fn fuse_transposed(parts: &[(&[f32], usize)], inner: usize) -> Vec<f32> {
     let transposed: Vec<(Vec<f32>, usize)> = parts.iter().map(|&(w, out)| (transpose(w, out, inner), out)).collect();
-    if let [(only, _)] = transposed.as_slice() {
-        return only.clone();
+    if transposed.len() == 1 {
+        return transposed.into_iter().next().map(|t| t.0).unwrap_or_default();
     }
     let total: usize = parts.iter().map(|p| p.1).sum();
     let mut fused = Vec::with_capacity(inner * total);

@@ -136,48 +136,62 @@ pub fn search_clip(
     };
     let groups = cols.div_ceil(gs_full);
     let row_scheme = Scheme { granularity: Granularity::PerChannel, ..*scheme };
-    let mut best_val = vec![0.0f32; rows * groups];
     let steps = ((max_shrink * n_grid as f64) as usize).max(1);
-    let mut org = vec![0.0f32; tokens * rows];
-    let mut out = vec![0.0f32; tokens * rows];
-    for g in 0..groups {
-        let gs = gs_full.min(cols - g * gs_full);
-        let c0 = g * gs_full;
-        let mut xg = vec![0.0f32; tokens * gs];
-        let mut wg = vec![0.0f32; rows * gs];
-        for t in 0..tokens {
-            xg[t * gs..(t + 1) * gs].copy_from_slice(&x[t * cols + c0..t * cols + c0 + gs]);
-        }
-        for r in 0..rows {
-            wg[r * gs..(r + 1) * gs].copy_from_slice(&w[r * cols + c0..r * cols + c0 + gs]);
-        }
-        sgemm_abt(&xg, &wg, tokens, gs, rows, &mut org);
-        let org_max: Vec<f32> = (0..rows).map(|r| wg[r * gs..(r + 1) * gs].iter().fold(0.0f32, |m, v| m.max(v.abs()))).collect();
-        let mut best_err = vec![f64::INFINITY; rows];
-        for i in 0..steps {
-            let f = 1.0 - i as f32 / n_grid as f32;
-            let mut clamped = wg.clone();
-            for r in 0..rows {
-                let m = org_max[r] * f;
-                for v in &mut clamped[r * gs..(r + 1) * gs] {
-                    *v = v.clamp(-m, m);
+    // Groups are independent: one rayon task each, the best clip value per row returned.
+    let per_group: Vec<Vec<f32>> = {
+        use rayon::prelude::*;
+        (0..groups)
+            .into_par_iter()
+            .map(|g| -> Result<Vec<f32>> {
+                let gs = gs_full.min(cols - g * gs_full);
+                let c0 = g * gs_full;
+                let mut xg = vec![0.0f32; tokens * gs];
+                let mut wg = vec![0.0f32; rows * gs];
+                for t in 0..tokens {
+                    xg[t * gs..(t + 1) * gs].copy_from_slice(&x[t * cols + c0..t * cols + c0 + gs]);
                 }
-            }
-            let q = fake_quant_ragged(&clamped, rows, gs, &row_scheme)?;
-            sgemm_abt(&xg, &q, tokens, gs, rows, &mut out);
-            let mut err = vec![0.0f64; rows];
-            for t in 0..tokens {
                 for r in 0..rows {
-                    let d = (out[t * rows + r] - org[t * rows + r]) as f64;
-                    err[r] += d * d;
+                    wg[r * gs..(r + 1) * gs].copy_from_slice(&w[r * cols + c0..r * cols + c0 + gs]);
                 }
-            }
-            for r in 0..rows {
-                if err[r] < best_err[r] {
-                    best_err[r] = err[r];
-                    best_val[r * groups + g] = org_max[r] * f;
+                let mut org = vec![0.0f32; tokens * rows];
+                let mut out = vec![0.0f32; tokens * rows];
+                sgemm_abt(&xg, &wg, tokens, gs, rows, &mut org);
+                let org_max: Vec<f32> = (0..rows).map(|r| wg[r * gs..(r + 1) * gs].iter().fold(0.0f32, |m, v| m.max(v.abs()))).collect();
+                let mut best_err = vec![f64::INFINITY; rows];
+                let mut best = vec![0.0f32; rows];
+                for i in 0..steps {
+                    let f = 1.0 - i as f32 / n_grid as f32;
+                    let mut clamped = wg.clone();
+                    for r in 0..rows {
+                        let m = org_max[r] * f;
+                        for v in &mut clamped[r * gs..(r + 1) * gs] {
+                            *v = v.clamp(-m, m);
+                        }
+                    }
+                    let q = fake_quant_ragged(&clamped, rows, gs, &row_scheme)?;
+                    sgemm_abt(&xg, &q, tokens, gs, rows, &mut out);
+                    let mut err = vec![0.0f64; rows];
+                    for t in 0..tokens {
+                        for r in 0..rows {
+                            let d = (out[t * rows + r] - org[t * rows + r]) as f64;
+                            err[r] += d * d;
+                        }
+                    }
+                    for r in 0..rows {
+                        if err[r] < best_err[r] {
+                            best_err[r] = err[r];
+                            best[r] = org_max[r] * f;
+                        }
+                    }
                 }
-            }
+                Ok(best)
+            })
+            .collect::<Result<_>>()?
+    };
+    let mut best_val = vec![0.0f32; rows * groups];
+    for (g, best) in per_group.iter().enumerate() {
+        for r in 0..rows {
+            best_val[r * groups + g] = best[r];
         }
     }
     Ok(best_val)
@@ -197,13 +211,13 @@ pub fn apply_clip(w: &mut [f32], rows: usize, cols: usize, group_size: usize, cl
     }
 }
 
-/// `out[m, n] = a[m, k] · b[n, k]ᵀ` (row-major f32).
+/// `out[m, n] = a[m, k] · b[n, k]ᵀ` (row-major f32), on deco's host matmul
+/// ([`deco_kernels::dense::matmul`]: its AVX-512 register tile where the CPU has one, in
+/// parallel) after transposing `b` into its `[k, n]` layout.
 pub(crate) fn sgemm_abt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
     assert!(a.len() >= m * k && b.len() >= n * k && out.len() >= m * n);
-    // SAFETY: bounds asserted above; strides describe row-major a, transposed b, row-major out.
-    unsafe {
-        matrixmultiply::sgemm(m, k, n, 1.0, a.as_ptr(), k as isize, 1, b.as_ptr(), 1, k as isize, 0.0, out.as_mut_ptr(), n as isize, 1);
-    }
+    let bt = deco_model::host::transpose(&b[..n * k], n, k);
+    deco_kernels::dense::matmul(&a[..m * k], m, &bt, k, n, &mut out[..m * n]).expect("lengths asserted above");
 }
 
 /// Options of whole-model AWQ ([`crate::pipeline::Method::Awq`]), llm-awq's defaults.

@@ -22,7 +22,7 @@ use deco_formats::ggml::{self, GgmlType};
 use deco_formats::gguf::{GgufFile, MetadataValue, TensorToWrite, write_gguf};
 use deco_formats::quantized::{IntLinear, QuantConfig, StTensor, encode, write_safetensors_dir};
 use deco_formats::tokenizer::Tokenizer;
-use deco_model::calibrate::Linear;
+use deco_model::calibrate::{CalibDtype, Linear};
 
 use crate::pipeline::{Method, TensorFn, quantize_model};
 use crate::scheme::{QuantizedTensor, Scheme};
@@ -40,6 +40,7 @@ pub use crate::scheme::quantize_rtn_ragged;
 /// codes with zero points; write them as fake-quantized f32) and for AWQ (its scales are folded
 /// into the norms, which this map cannot carry: use `quantize_model` and
 /// [`crate::pipeline::QuantizedModel::source`]); otherwise `quantize_model`'s errors.
+#[allow(clippy::too_many_arguments)] // the model, its calibration and the method's settings
 pub fn quantize_linears(
     cfg: &ModelConfig,
     tensor: &TensorFn<'_>,
@@ -47,10 +48,11 @@ pub fn quantize_linears(
     windows: &[Vec<u32>],
     method: &Method,
     scheme: &Scheme,
+    dtype: CalibDtype,
     progress: &mut dyn FnMut(usize),
 ) -> Result<BTreeMap<String, QuantizedTensor>> {
     match method {
-        Method::Rtn | Method::Gptq(_) => Ok(quantize_model(cfg, tensor, device, windows, method, scheme, progress)?.quantized),
+        Method::Rtn | Method::Gptq(_) => Ok(quantize_model(cfg, tensor, device, windows, method, scheme, dtype, progress)?.quantized),
         Method::Awq(_) => Err(invalid("method", "AWQ folds scales into the norms; use pipeline::quantize_model and its source()")),
         _ => Err(invalid("method", "NF4, SmoothQuant and LLM.int8() have no integer codes with zero points; export them as fake-quantized f32")),
     }

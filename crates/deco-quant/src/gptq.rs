@@ -230,7 +230,7 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
             let r0 = ci * ROW_CHUNK;
             let nr = wc.len() / n;
             let sp = static_params.as_ref().map(|sp| sp.iter().map(|g| &g[r0..r0 + nr]).collect::<Vec<_>>());
-            gptq_rows(wc, nr, n, &hinv, cfg, gs, grouped, sp.as_deref(), &col_group, &row_params)
+            gptq_rows_dispatch(wc, nr, n, &hinv, cfg, gs, grouped, sp.as_deref(), &col_group, &row_params)
         })
         .collect();
     let mut codes_p = Vec::with_capacity(rows * n);
@@ -282,6 +282,68 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     })
 }
 
+/// [`gptq_rows`] compiled for the widest vectors this CPU has (the column updates are f64
+/// AXPYs; the baseline x86-64 build has SSE2 only). The same operations in the same order on
+/// every path (no fused multiply-adds: Rust does not contract `a - b * c`), so the same bits.
+#[allow(clippy::too_many_arguments)] // gptq_rows' own
+fn gptq_rows_dispatch(
+    wm: &mut [f64],
+    nr: usize,
+    n: usize,
+    hinv: &[f64],
+    cfg: &GptqConfig,
+    gs: usize,
+    grouped: bool,
+    static_params: Option<&[&[(f32, f32)]]>,
+    col_group: &[u32],
+    row_params: &RowParams<'_>,
+) -> RowsOut {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512vl,avx2")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx512(
+            wm: &mut [f64],
+            nr: usize,
+            n: usize,
+            hinv: &[f64],
+            cfg: &GptqConfig,
+            gs: usize,
+            grouped: bool,
+            static_params: Option<&[&[(f32, f32)]]>,
+            col_group: &[u32],
+            row_params: &RowParams<'_>,
+        ) -> RowsOut {
+            gptq_rows(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params)
+        }
+        #[target_feature(enable = "avx2")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn avx2(
+            wm: &mut [f64],
+            nr: usize,
+            n: usize,
+            hinv: &[f64],
+            cfg: &GptqConfig,
+            gs: usize,
+            grouped: bool,
+            static_params: Option<&[&[(f32, f32)]]>,
+            col_group: &[u32],
+            row_params: &RowParams<'_>,
+        ) -> RowsOut {
+            gptq_rows(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params)
+        }
+        use deco_kernels::quant::Isa;
+        match Isa::detect() {
+            // SAFETY: the CPU has the features (Isa::detect).
+            Isa::Avx512 => return unsafe { avx512(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { avx2(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params) },
+            Isa::Scalar => {}
+        }
+    }
+    gptq_rows(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params)
+}
+
 /// Rows per parallel task of [`gptq_quantize`].
 const ROW_CHUNK: usize = 32;
 
@@ -304,6 +366,7 @@ struct RowsOut {
 /// as updated by the previous blocks), or taken from `static_params` (`[groups][nr]`) by the
 /// group `col_group[col]` of each permuted column.
 #[allow(clippy::too_many_arguments)] // the shared state of one quantization
+#[inline(always)]
 fn gptq_rows(
     wm: &mut [f64],
     nr: usize,

@@ -37,6 +37,50 @@ unsafe fn gemm_sub(m: usize, k: usize, nn: usize, a: *const f64, lda: usize, b: 
     unsafe { matrixmultiply::dgemm(m, k, nn, alpha, a, lda as isize, 1, b, rsb, csb, 1.0, c, ldc as isize, 1) }
 }
 
+/// A pointer that parallel tasks share; each task writes its own disjoint part.
+#[derive(Clone, Copy)]
+struct Shared(*mut f64);
+// SAFETY: the tasks that receive it write disjoint elements (see each use).
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// The pointer (a method, so that closures capture the whole `Shared`).
+    fn get(self) -> *mut f64 {
+        self.0
+    }
+}
+
+/// Columns of `C` per parallel task of [`gemm_sub_par`] (a multiple of every `matrixmultiply`
+/// f64 kernel's width).
+const PAR_COLS: usize = 128;
+
+/// [`gemm_sub`] with `C`'s columns cut into runs of [`PAR_COLS`], one rayon task each. Each
+/// element of `C` is summed by the same kernel over `k` in the same order as in one call, so
+/// the bits do not change.
+///
+/// # Safety
+/// As [`gemm_sub`].
+#[allow(clippy::too_many_arguments)] // a BLAS call
+unsafe fn gemm_sub_par(m: usize, k: usize, nn: usize, a: *const f64, lda: usize, b: *const f64, ldb: usize, b_t: bool, c: *mut f64, ldc: usize, alpha: f64) {
+    use rayon::prelude::*;
+    if nn <= PAR_COLS || m * k * nn < 1 << 20 {
+        // SAFETY: forwarded from the caller.
+        return unsafe { gemm_sub(m, k, nn, a, lda, b, ldb, b_t, c, ldc, alpha) };
+    }
+    let (a, b, c) = (Shared(a.cast_mut()), Shared(b.cast_mut()), Shared(c));
+    (0..nn.div_ceil(PAR_COLS)).into_par_iter().for_each(|t| {
+        let j0 = t * PAR_COLS;
+        let w = PAR_COLS.min(nn - j0);
+        // Columns j0 .. j0 + w of B (row j0 of its stored transpose) and of C.
+        let bo = if b_t { j0 * ldb } else { j0 };
+        // SAFETY: a sub-block of the caller's in-bounds operands; the tasks write disjoint
+        // columns of C, which overlaps neither A nor B.
+        unsafe { gemm_sub(m, k, w, a.get(), lda, b.get().add(bo), ldb, b_t, c.get().add(j0), ldc, alpha) };
+    });
+}
+
 /// Lower Cholesky factor `L` of a symmetric positive definite `[n, n]` matrix (`A = L Lᵀ`);
 /// only the lower triangle of `a` is read. The upper triangle of the result is zero.
 ///
@@ -73,19 +117,22 @@ pub fn cholesky_lower(a: &[f64], n: usize) -> Result<Vec<f64>> {
                 row[j] = v;
             }
         });
-        // Trailing update, one block row at a time: A[i0..i1, k1..i1] -= P_i P_[k1..i1]ᵀ with
-        // P the panel columns k0..k1 (the part right of the diagonal is never read).
-        let mut i0 = k1;
-        while i0 < n {
-            let i1 = (i0 + NB).min(n);
-            let p = l.as_mut_ptr();
-            // SAFETY: A = rows i0..i1 × cols k0..k1, B = rows k1..i1 × cols k0..k1 (read as
-            // its transpose), C = rows i0..i1 × cols k1..i1: in bounds, and C's columns
-            // (>= k1) are disjoint from the panel's (< k1).
-            unsafe {
-                gemm_sub(i1 - i0, k1 - k0, i1 - k1, p.add(i0 * n + k0), n, p.add(k1 * n + k0), n, true, p.add(i0 * n + k1), n, -1.0);
-            }
-            i0 = i1;
+        // Trailing update, one block row per rayon task: A[i0..i1, k1..i1] -= P_i P_[k1..i1]ᵀ
+        // with P the panel columns k0..k1 (the part right of the diagonal is never read).
+        {
+            use rayon::prelude::*;
+            let p = Shared(l.as_mut_ptr());
+            (k1..n).step_by(NB).collect::<Vec<_>>().into_par_iter().for_each(|i0| {
+                let p = p.get();
+                let i1 = (i0 + NB).min(n);
+                // SAFETY: A = rows i0..i1 × cols k0..k1, B = rows k1..i1 × cols k0..k1 (read as
+                // its transpose), C = rows i0..i1 × cols k1..i1: in bounds; C's columns
+                // (>= k1) are disjoint from the panel's (< k1), which no task writes, and each
+                // task writes its own rows i0..i1.
+                unsafe {
+                    gemm_sub(i1 - i0, k1 - k0, i1 - k1, p.add(i0 * n + k0), n, p.add(k1 * n + k0), n, true, p.add(i0 * n + k1), n, -1.0);
+                }
+            });
         }
     }
     for i in 0..n {
@@ -126,13 +173,13 @@ pub fn lower_triangular_inverse(l: &[f64], n: usize) -> Vec<f64> {
             // SAFETY: A = rows i0..i1 × cols 0..i0 of l, B = the leading i0 × i0 of m, C = t
             // (b × i0): in bounds, t is its own allocation.
             unsafe {
-                gemm_sub(b, i0, i0, l.as_ptr().add(i0 * n), n, m.as_ptr(), n, false, t.as_mut_ptr(), i0, 1.0);
+                gemm_sub_par(b, i0, i0, l.as_ptr().add(i0 * n), n, m.as_ptr(), n, false, t.as_mut_ptr(), i0, 1.0);
             }
             let p = m.as_mut_ptr();
             // SAFETY: A = d (b × b), B = t (b × i0), C = rows i0..i1 × cols 0..i0 of m: in
             // bounds; C is disjoint from d and t (other allocations).
             unsafe {
-                gemm_sub(b, b, i0, d.as_ptr(), b, t.as_ptr(), i0, false, p.add(i0 * n), n, -1.0);
+                gemm_sub_par(b, b, i0, d.as_ptr(), b, t.as_ptr(), i0, false, p.add(i0 * n), n, -1.0);
             }
         }
     }
@@ -202,6 +249,7 @@ pub fn inverse_upper_cholesky(a: &[f64], n: usize) -> Result<Vec<f64>> {
 /// # Panics
 /// If `rest` does not hold `u.len()` columns of `e.len()` rows (an internal invariant of the
 /// callers).
+#[inline(always)]
 pub fn block_column_update(rest: &mut [f64], e: &[f64], u: &[f64]) {
     let nr = e.len();
     assert!(rest.len() >= u.len() * nr, "block_column_update: shapes");
@@ -294,6 +342,24 @@ mod tests {
             }
         }
         a
+    }
+
+    /// The column-parallel product gives the one-call product's bits (each element's sum over
+    /// `k` runs in the same kernel in the same order), at the shapes of the blocked inverse.
+    #[test]
+    fn parallel_gemm_equals_one_call() {
+        for &(m, k, nn) in &[(64usize, 64usize, 700usize), (64, 640, 640), (64, 1472, 1472), (64, 130, 1000), (3, 5, 300)] {
+            let a: Vec<f64> = (0..m * k).map(|i| ((i * 7919) % 1000) as f64 / 997.0 - 0.5).collect();
+            let b: Vec<f64> = (0..k * nn).map(|i| ((i * 104729) % 1000) as f64 / 991.0 - 0.5).collect();
+            let mut one = vec![0.25f64; m * nn];
+            let mut par = one.clone();
+            // SAFETY: a is [m, k], b [k, nn], c [m, nn], row-major, separate allocations.
+            unsafe {
+                gemm_sub(m, k, nn, a.as_ptr(), k, b.as_ptr(), nn, false, one.as_mut_ptr(), nn, -1.0);
+                gemm_sub_par(m, k, nn, a.as_ptr(), k, b.as_ptr(), nn, false, par.as_mut_ptr(), nn, -1.0);
+            }
+            assert!(one.iter().zip(&par).all(|(x, y)| x.to_bits() == y.to_bits()), "{m}x{k}x{nn}");
+        }
     }
 
     #[test]

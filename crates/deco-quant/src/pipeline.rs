@@ -27,7 +27,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use burn::tensor::{Device, Tensor};
 use deco_formats::config::ModelConfig;
-use deco_model::calibrate::{Calibrator, LayerWeights, Linear, Site};
+use deco_model::calibrate::{CalibDtype, Calibrator, LayerWeights, Linear, Site};
 use deco_model::decoder::DecoderLayer;
 use deco_model::host::{to_host, with_host};
 use rand::{Rng, SeedableRng};
@@ -150,14 +150,19 @@ pub fn calibration_windows(tokens: &[u32], nsamples: usize, seqlen: usize, seed:
 
 /// `xᵀx` (`[cols, cols]`, f64 on the host) of a `[tokens, cols]` calibration tensor, for the
 /// Hessians of GPTQ and SparseGPT: on the CPU through the half-work symmetric kernel
-/// ([`deco_kernels::dense::gram`]), on a GPU as a device matmul.
+/// ([`deco_kernels::dense::gram`], or [`deco_kernels::bf16::gram`] of the bf16-rounded `x` under
+/// [`CalibDtype::Bf16`]), on a GPU as a device matmul.
 ///
 /// # Errors
-/// A failed device read.
-pub fn gram(x: &Tensor<2>) -> Result<Vec<f64>> {
+/// A failed device read; [`Error::Calibration`] for bf16 on a CPU without AVX-512 BF16.
+pub fn gram(x: &Tensor<2>, dtype: CalibDtype) -> Result<Vec<f64>> {
     if x.device() == Device::flex() {
         let [n, cols] = x.dims();
-        let g = with_host(x, |xs| deco_kernels::dense::gram(xs, n, cols))?.map_err(|e| Error::Calibration(format!("Gram matrix: {e}")))?;
+        let g = with_host(x, |xs| match dtype {
+            CalibDtype::Bf16 => deco_kernels::bf16::gram(xs, n, cols),
+            CalibDtype::F32 => deco_kernels::dense::gram(xs, n, cols),
+        })?
+        .map_err(|e| Error::Calibration(format!("Gram matrix: {e}")))?;
         return Ok(g.iter().map(|&v| v as f64).collect());
     }
     let g = x.clone().transpose().matmul(x.clone());
@@ -355,12 +360,16 @@ fn awq_layer(
 /// `scheme` gives bits / symmetry / groups for RTN and AWQ, the block size for NF4
 /// (`PerGroup(64)`); GPTQ takes them from its config; W8A8 and LLM.int8() are always int8.
 /// `windows` (calibration token windows) are needed by GPTQ, AWQ, SmoothQuant and automatic
-/// LLM.int8(). `progress(layer)` is called after each layer.
+/// LLM.int8(). `dtype` is the precision of the calibration forward and of GPTQ's Hessians
+/// ([`CalibDtype`]; the methods without calibration run no products). `progress(layer)` is
+/// called after each layer.
 ///
 /// # Errors
 /// [`Error::InvalidParameter`] naming `bits`, `group_size`, `alpha`, `threshold`, `n_grid`;
 /// [`Error::Calibration`] without calibration windows where needed; missing tensors;
-/// [`Error::NotPositiveDefinite`] from GPTQ.
+/// [`Error::NotPositiveDefinite`] from GPTQ; the model error of [`Calibrator::with_dtype`] for
+/// bf16 where it cannot run.
+#[allow(clippy::too_many_arguments)] // the model, its calibration and the method's settings
 pub fn quantize_model(
     cfg: &ModelConfig,
     tensor: &TensorFn<'_>,
@@ -368,6 +377,7 @@ pub fn quantize_model(
     windows: &[Vec<u32>],
     method: &Method,
     scheme: &Scheme,
+    dtype: CalibDtype,
     progress: &mut dyn FnMut(usize),
 ) -> Result<QuantizedModel> {
     validate(method, scheme)?;
@@ -389,7 +399,7 @@ pub fn quantize_model(
             return Err(Error::Calibration("this method needs calibration windows (empty calibration text?)".into()));
         }
         let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
-        let c = Calibrator::new(cfg, device, &lens)?;
+        let c = Calibrator::new(cfg, device, &lens)?.with_dtype(dtype)?;
         let (_, embed) = tensor("model.embed_tokens.weight")?;
         let x = c.embed(&embed, windows)?;
         Some((c, x))
@@ -406,7 +416,7 @@ pub fn quantize_model(
                 let mut quant = |lw: &mut LayerWeights, inp: &Tensor<2>, ls: &[Linear]| -> Result<()> {
                     let (_, cols) = ls[0].dims(cfg);
                     let mut h = Hessian::new(cols);
-                    h.add_gram(&gram(inp)?, n)?;
+                    h.add_gram(&gram(inp, c.dtype())?, n)?;
                     for &l in ls {
                         let (rows, cols) = l.dims(cfg);
                         let r = gptq_quantize(lw.linear(l), rows, cols, &h, g)?;
@@ -415,27 +425,33 @@ pub fn quantize_model(
                     }
                     Ok(())
                 };
+                // After each group is quantized only its fused weight is uploaded again.
+                let refresh = |dl: &DecoderLayer, lw: &LayerWeights, ls: &[Linear]| {
+                    let parts: Vec<(Linear, &[f32])> = ls.iter().map(|&l| (l, lw.linear(l))).collect();
+                    c.upload_replacing(dl, lw, &parts)
+                };
                 let dl = c.upload(&lw);
                 let xn = c.attn_in(&dl, x.clone());
-                quant(&mut lw, &xn, &[Linear::Q, Linear::K, Linear::V])?;
-                let dl = c.upload(&lw);
+                let qkv = [Linear::Q, Linear::K, Linear::V];
+                quant(&mut lw, &xn, &qkv)?;
+                let dl = refresh(&dl, &lw, &qkv);
                 let a = c.attention(&dl, xn)?;
                 quant(&mut lw, &a, &[Linear::O])?;
-                let dl = c.upload(&lw);
+                let dl = refresh(&dl, &lw, &[Linear::O]);
                 let x2 = c.attn_residual(&dl, x.clone(), a)?;
                 let xn2 = c.mlp_in(&dl, x2.clone());
                 quant(&mut lw, &xn2, &[Linear::Gate, Linear::Up])?;
-                let dl = c.upload(&lw);
+                let dl = refresh(&dl, &lw, &[Linear::Gate, Linear::Up]);
                 let hmid = c.swiglu_out(&dl, xn2)?;
                 quant(&mut lw, &hmid, &[Linear::Down])?;
-                let dl = c.upload(&lw);
+                let dl = refresh(&dl, &lw, &[Linear::Down]);
                 *x = c.mlp_residual(&dl, x2, hmid)?;
             }
             (Method::Awq(a), Some((c, x))) => {
                 let st = stages(c, &lw, x)?;
                 let k = a.search_windows.clamp(1, windows.len());
                 let lens: Vec<usize> = windows[..k].iter().map(Vec::len).collect();
-                let sub = Calibrator::new(cfg, device, &lens)?;
+                let sub = Calibrator::new(cfg, device, &lens)?.with_dtype(dtype)?;
                 awq_layer(c, &sub, cfg, &mut lw, x, &st, scheme, a)?;
                 for l in Linear::ALL {
                     let (rows, cols) = l.dims(cfg);
@@ -568,7 +584,7 @@ pub fn layer_output_errors(
         let cands: Vec<LayerWeights> = candidates.iter().map(|t| LayerWeights::fetch(cfg, li, t)).collect::<deco_model::Result<_>>()?;
         let dl = c.upload(&lw);
         let (inputs, y) = c.layer_capture(&dl, x)?;
-        let grams: Vec<Vec<f64>> = inputs.iter().map(gram).collect::<Result<_>>()?;
+        let grams: Vec<Vec<f64>> = inputs.iter().map(|x| gram(x, CalibDtype::F32)).collect::<Result<_>>()?;
         for l in Linear::ALL {
             let (rows, cols) = l.dims(cfg);
             let g = &grams[l.site() as usize];

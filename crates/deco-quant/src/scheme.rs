@@ -137,7 +137,7 @@ pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: us
     let maxq = (1u32 << bits) - 1;
     // Σ |q(x) − x|^norm, stopped as soon as it reaches the best so far (its terms are
     // non-negative, so the candidate is already rejected by the strict `e < best`).
-    let err_of = |s: f32, z: f32, best: f64| -> f64 { group_err_bounded(values, s, z, maxq, norm, best) };
+    let err_of = |s: f32, z: f32, best: f64| -> f64 { group_err_bounded(values, s, z, maxq, norm as f32, best) };
     // p = 1 is find_params' own (scale, zero): the fallback if no candidate is finite.
     let (mut best_s, mut best_z) = params_of_range(lo, hi, bits, sym);
     let mut best = f64::INFINITY;
@@ -158,13 +158,17 @@ pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: us
     (best_s, best_z)
 }
 
-/// `Σ |dequantize(quantize(x)) − x|^norm` over `values` under `(scale, zero)`, computed in f64
-/// like [`quantize_value`] / [`dequantize_value`] and [`pow_nonneg`]; returns as soon as a
-/// partial sum reaches `bound` (the value returned is then some partial sum `>= bound`).
+/// `Σ |dequantize(quantize(x)) − x|^norm` over `values` under `(scale, zero)`, in f32 as the
+/// reference computes it (IST-DASLab/gptq `quant.py`, `Quantizer.find_params` with `mse=True`:
+/// `q = clamp(round(x / scale) + zero, 0, maxq)`, `(scale·(q − zero) − x).abs().pow(norm)` on the
+/// f32 weight), with [`pow_nonneg_f32`] for the power; returns as soon as a partial sum reaches
+/// `bound` (the value returned is then some partial sum `>= bound`). Only the search's choice
+/// of candidate reads it; the codes themselves come from [`quantize_value`].
 ///
 /// The terms are the same on every instruction set (no fused multiply-adds, IEEE rounding of
-/// each operation); AVX-512 and AVX2 builds of the same loop only vectorize it.
-pub(crate) fn group_err_bounded(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, bound: f64) -> f64 {
+/// each operation, partial sums added in a fixed order); AVX-512 and AVX2 builds of the same
+/// loop only vectorize it.
+pub(crate) fn group_err_bounded(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64 {
     #[cfg(target_arch = "x86_64")]
     {
         use deco_kernels::quant::Isa;
@@ -180,33 +184,35 @@ pub(crate) fn group_err_bounded(values: &[f32], scale: f32, zero: f32, maxq: u32
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
-unsafe fn group_err_avx512(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, bound: f64) -> f64 {
+unsafe fn group_err_avx512(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64 {
     group_err_body(values, scale, zero, maxq, norm, bound)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn group_err_avx2(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, bound: f64) -> f64 {
+unsafe fn group_err_avx2(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64 {
     group_err_body(values, scale, zero, maxq, norm, bound)
 }
 
 #[inline(always)]
-fn group_err_body(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, bound: f64) -> f64 {
-    const LANES: usize = 8;
-    let (s, z, mq) = (scale as f64, zero as f64, maxq as f64);
+fn group_err_body(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64 {
+    const LANES: usize = 16;
+    let mq = maxq as f32;
     let mut total = 0.0f64;
-    for block in values.chunks(4 * LANES) {
-        let mut acc = [0.0f64; LANES];
-        let mut it = block.chunks_exact(LANES);
-        for c in &mut it {
-            for l in 0..LANES {
-                acc[l] += err_term(c[l], s, z, mq, norm);
+    for block in values.chunks(LANES) {
+        let mut acc = [0.0f32; LANES];
+        for (a, &x) in acc.iter_mut().zip(block) {
+            *a = err_term(x, scale, zero, mq, norm);
+        }
+        // A fixed pairwise order, so that wider vectors give the same bits.
+        let mut w = LANES;
+        while w > 1 {
+            w /= 2;
+            for l in 0..w {
+                acc[l] += acc[l + w];
             }
         }
-        for (l, &x) in it.remainder().iter().enumerate() {
-            acc[l] += err_term(x, s, z, mq, norm);
-        }
-        total += acc.iter().sum::<f64>();
+        total += acc[0] as f64;
         if total >= bound {
             return total;
         }
@@ -214,69 +220,59 @@ fn group_err_body(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f64, b
     total
 }
 
-/// One term `|dequantize(quantize(x)) − x|^norm` of [`group_err_bounded`].
+/// One term `|scale·(q − zero) − x|^norm` of [`group_err_bounded`], in f32.
 #[inline(always)]
-fn err_term(x: f32, s: f64, z: f64, mq: f64, norm: f64) -> f64 {
-    let x = x as f64;
-    let q = ((x / s).round_ties_even() + z).clamp(0.0, mq);
-    // dequantize_value: the exact product rounded once to f32.
-    let d = ((s * (q - z)) as f32 as f64 - x).abs();
-    pow_nonneg(d, norm)
+fn err_term(x: f32, s: f32, z: f32, mq: f32, norm: f32) -> f32 {
+    let q = (round_half_even_f32(x / s) + z).clamp(0.0, mq);
+    let d = (s * (q - z) - x).abs();
+    pow_nonneg_f32(d, norm)
 }
 
-/// `d^p` for `d >= 0` and `p > 0` (0 for `d = 0`, `+inf` on overflow, 0 below 2^-1022),
-/// within `4e-15 + 4e-16·|p log2 d|` relative of libm's `pow` (a few ulps of the result and of
-/// `y = p log2 d`; about 1e-14 for the quantization errors of the MSE search).
-///
-/// `log2 d` from the exponent and `ln m = 2 atanh((m − 1)/(m + 1))` (series to the 17th power,
-/// `m` in `[√½, √2)`), then `2^y` as `2^k · e^{(y − k) ln 2}` (Taylor to the 13th power on
-/// `|y − k| <= ½`). Branch-free, so loops over it vectorize; written without fused
-/// multiply-adds so every instruction set gives the same bits.
+/// [`round_half_even`] in f32 (`c = ±2^23`), branch-free so that loops over it vectorize.
 #[inline(always)]
-pub(crate) fn pow_nonneg(d: f64, p: f64) -> f64 {
-    const TWO52: f64 = 4_503_599_627_370_496.0;
+fn round_half_even_f32(x: f32) -> f32 {
+    const TWO23: f32 = 8_388_608.0;
+    let c = TWO23.copysign(x);
+    let r = (x + c) - c;
+    if x.abs() < TWO23 { r } else { x }
+}
+
+/// `d^p` in f32 for `d >= 0` and `p > 0` (0 for `d = 0` and below 2^-126, `+inf` on overflow),
+/// within `2e-7·(1 + |p log2 d|)` relative of the exact power, for the MSE search. `ln m = 2 atanh((m − 1)/(m + 1))` to the 9th power
+/// (`m` in `[√½, √2)`, truncation below 3e-9), `e^t` Taylor to the 7th power on
+/// `|t| <= ln 2 / 2` (below 6e-9). Branch-free and without fused multiply-adds, so every
+/// instruction set gives the same bits.
+#[inline(always)]
+pub(crate) fn pow_nonneg_f32(d: f32, p: f32) -> f32 {
+    const TWO23: f32 = 8_388_608.0;
     let bits = d.to_bits();
-    // Biased exponent as a float without an integer conversion (2^52 + e, minus 2^52 + 1023).
-    let e = f64::from_bits((bits >> 52) | 0x4330_0000_0000_0000) - (TWO52 + 1023.0);
-    let m = f64::from_bits((bits & 0x000F_FFFF_FFFF_FFFF) | 0x3FF0_0000_0000_0000);
-    let big = m > std::f64::consts::SQRT_2;
+    // Biased exponent as a float without an integer conversion (2^23 + e, minus 2^23 + 127).
+    let e = f32::from_bits((bits >> 23) | 0x4B00_0000) - (TWO23 + 127.0);
+    let m = f32::from_bits((bits & 0x007F_FFFF) | 0x3F80_0000);
+    let big = m > std::f32::consts::SQRT_2;
     let m = if big { m * 0.5 } else { m };
     let e = if big { e + 1.0 } else { e };
     let s = (m - 1.0) / (m + 1.0);
     let s2 = s * s;
-    let mut poly = 1.0 / 17.0;
-    for c in [1.0 / 15.0, 1.0 / 13.0, 1.0 / 11.0, 1.0 / 9.0, 1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0] {
+    let mut poly = 1.0 / 9.0;
+    for c in [1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0] {
         poly = poly * s2 + c;
     }
     let ln_m = 2.0 * s * poly;
-    let y = (p * (e + ln_m * std::f64::consts::LOG2_E)).clamp(-1100.0, 1100.0);
-    let k = y.round_ties_even();
-    let t = (y - k) * std::f64::consts::LN_2;
-    // e^t, Taylor: 1 + t + t²/2! + … + t¹³/13!.
-    let mut r = 1.0 / 6_227_020_800.0;
-    for c in [
-        1.0 / 479_001_600.0,
-        1.0 / 39_916_800.0,
-        1.0 / 3_628_800.0,
-        1.0 / 362_880.0,
-        1.0 / 40_320.0,
-        1.0 / 5_040.0,
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
+    let y = (p * (e + ln_m * std::f32::consts::LOG2_E)).clamp(-160.0, 160.0);
+    let k = round_half_even_f32(y);
+    let t = (y - k) * std::f32::consts::LN_2;
+    // e^t, Taylor: 1 + t + t²/2! + … + t⁷/7!.
+    let mut r = 1.0 / 5_040.0;
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
         r = r * t + c;
     }
-    // 2^k from its biased exponent k + 1023 in [1, 2046] (the low bits of 2^52 + k + 1023).
-    let kc = k.clamp(-1022.0, 1023.0);
-    let two_k = f64::from_bits((kc + (TWO52 + 1023.0)).to_bits() << 52);
+    // 2^k from its biased exponent k + 127 in [1, 254] (the low bits of 2^23 + k + 127).
+    let kc = k.clamp(-126.0, 127.0);
+    let two_k = f32::from_bits((kc + (TWO23 + 127.0)).to_bits() << 23);
     let v = r * two_k;
-    let v = if k > 1023.0 { f64::INFINITY } else { v };
-    if k < -1022.0 || d == 0.0 { 0.0 } else { v }
+    let v = if k > 127.0 { f32::INFINITY } else { v };
+    if k < -126.0 || d == 0.0 { 0.0 } else { v }
 }
 
 /// `x` rounded to the nearest integer, ties to even, as [`f64::round_ties_even`] (up to the
@@ -342,17 +338,24 @@ impl QuantizedTensor {
         self.scales.len() / self.param_rows
     }
 
-    /// Dequantizes to a `[rows, cols]` f32 matrix.
+    /// Dequantizes to a `[rows, cols]` f32 matrix (rows in parallel).
     pub fn dequantize(&self) -> Vec<f32> {
+        use rayon::prelude::*;
         let g = self.groups();
-        let mut out = Vec::with_capacity(self.rows * self.cols);
-        for r in 0..self.rows {
-            let pr = if self.param_rows == 1 { 0 } else { r };
-            for c in 0..self.cols {
-                let p = pr * g + self.g_idx[c] as usize;
-                out.push(dequantize_value(self.codes[r * self.cols + c], self.scales[p], self.zeros[p]));
-            }
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        if self.cols == 0 {
+            return out;
         }
+        out.par_chunks_mut(self.cols * RTN_ROW_CHUNK).enumerate().for_each(|(i, chunk)| {
+            for (k, row) in chunk.chunks_exact_mut(self.cols).enumerate() {
+                let r = i * RTN_ROW_CHUNK + k;
+                let pr = if self.param_rows == 1 { 0 } else { r };
+                for (c, v) in row.iter_mut().enumerate() {
+                    let p = pr * g + self.g_idx[c] as usize;
+                    *v = dequantize_value(self.codes[r * self.cols + c], self.scales[p], self.zeros[p]);
+                }
+            }
+        });
         out
     }
 
@@ -370,6 +373,44 @@ impl QuantizedTensor {
 /// [`crate::Error::InvalidParameter`] for unsupported `bits` or a `group_size` that does not
 /// divide `cols`; [`crate::Error::Shape`] if `w.len() != rows * cols`.
 pub fn quantize_rtn(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+    quantize_rtn_wide(w, rows, cols, scheme)
+}
+
+/// A round-to-nearest pass compiled for the widest vectors this CPU has (`$body` inlined into
+/// AVX-512 and AVX2 copies): the same f64 operations in the same order on every path (no fused
+/// multiply-adds), so the same codes.
+macro_rules! rtn_dispatch {
+    ($name:ident, $body:ident) => {
+        fn $name(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+            #[cfg(target_arch = "x86_64")]
+            {
+                use deco_kernels::quant::Isa;
+                #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2")]
+                unsafe fn avx512(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+                    $body(w, rows, cols, scheme)
+                }
+                #[target_feature(enable = "avx2")]
+                unsafe fn avx2(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+                    $body(w, rows, cols, scheme)
+                }
+                match Isa::detect() {
+                    // SAFETY: the CPU has the features (Isa::detect).
+                    Isa::Avx512 => return unsafe { avx512(w, rows, cols, scheme) },
+                    // SAFETY: as above.
+                    Isa::Avx2 => return unsafe { avx2(w, rows, cols, scheme) },
+                    Isa::Scalar => {}
+                }
+            }
+            $body(w, rows, cols, scheme)
+        }
+    };
+}
+
+rtn_dispatch!(quantize_rtn_wide, quantize_rtn_body);
+rtn_dispatch!(rtn_rows, rtn_rows_body);
+
+#[inline(always)]
+fn quantize_rtn_body(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
     scheme.validate(cols)?;
     if w.len() != rows * cols {
         return Err(crate::Error::Shape(format!("{} values for a {rows}x{cols} matrix", w.len())));
@@ -401,9 +442,10 @@ pub fn quantize_rtn(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Res
     let mut codes = Vec::with_capacity(rows * cols);
     for r in 0..rows {
         let pr = if per_tensor { 0 } else { r };
-        for c in 0..cols {
-            let p = pr * groups + g_idx[c] as usize;
-            codes.push(quantize_value(w[r * cols + c], scales[p], zeros[p], maxq));
+        for g in 0..groups {
+            let (s, z) = (scales[pr * groups + g], zeros[pr * groups + g]);
+            let run = &w[r * cols + g * group_size..r * cols + (g + 1) * group_size];
+            codes.extend(run.iter().map(|&x| quantize_value(x, s, z, maxq)));
         }
     }
     Ok(QuantizedTensor {
@@ -456,9 +498,40 @@ pub fn absmax_int8_rows(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// [`crate::Error::InvalidParameter`] for unsupported bits or group size 0;
 /// [`crate::Error::Shape`] if `w.len() != rows * cols`.
 pub fn quantize_rtn_ragged(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+    use rayon::prelude::*;
+    if matches!(scheme.granularity, Granularity::PerTensor) || rows <= RTN_ROW_CHUNK || w.len() != rows * cols {
+        return rtn_rows(w, rows, cols, scheme);
+    }
+    // Per-channel and per-group parameters belong to one row: runs of rows in parallel, their
+    // codes and parameters concatenated in row order (the same values as one pass).
+    let parts = (0..rows.div_ceil(RTN_ROW_CHUNK))
+        .into_par_iter()
+        .map(|i| {
+            let (r0, r1) = (i * RTN_ROW_CHUNK, ((i + 1) * RTN_ROW_CHUNK).min(rows));
+            rtn_rows(&w[r0 * cols..r1 * cols], r1 - r0, cols, scheme)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut parts = parts.into_iter();
+    let mut q = parts.next().expect("rows > RTN_ROW_CHUNK");
+    for p in parts {
+        q.codes.extend_from_slice(&p.codes);
+        q.scales.extend_from_slice(&p.scales);
+        q.zeros.extend_from_slice(&p.zeros);
+    }
+    q.rows = rows;
+    q.param_rows = rows;
+    Ok(q)
+}
+
+/// Rows per parallel task of [`quantize_rtn_ragged`] and [`QuantizedTensor::dequantize`].
+const RTN_ROW_CHUNK: usize = 64;
+
+/// [`quantize_rtn_ragged`] in one pass over the rows (dispatched as `rtn_rows`).
+#[inline(always)]
+fn rtn_rows_body(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
     let gs = match scheme.granularity {
         Granularity::PerGroup(g) if g > 0 && !cols.is_multiple_of(g) => g,
-        _ => return quantize_rtn(w, rows, cols, scheme),
+        _ => return quantize_rtn_body(w, rows, cols, scheme),
     };
     check_bits(scheme.bits)?;
     if w.len() != rows * cols {
@@ -509,27 +582,26 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     #[test]
-    fn pow_nonneg_matches_libm() {
+    fn pow_nonneg_f32_matches_f64_powf() {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let mut worst = 0.0f64;
         for _ in 0..200_000 {
-            // Magnitudes of quantization errors and beyond: 2^-150 .. 2^60.
-            let d = 2f64.powf(rng.random_range(-150.0..60.0)) * rng.random_range(1.0..2.0);
-            let p = [2.4, 2.0, 1.0, 0.5, 3.7][rng.random_range(0..5)];
-            let (got, want) = (pow_nonneg(d, p), d.powf(p));
-            if want > 1e-300 && want.is_finite() {
-                // The rounding of y = p·log2(d) (|y| up to ~360 here) is amplified by ln 2 · |y|:
-                // the error allowed is a few ulps of y plus a few of the result.
-                let tol = 4e-16 * (p * d.log2()).abs() + 4e-15;
+            // Magnitudes of quantization errors and beyond: 2^-60 .. 2^50.
+            let d = (2f64.powf(rng.random_range(-60.0..50.0)) * rng.random_range(1.0..2.0)) as f32;
+            let p = [2.4f32, 2.0, 1.0, 0.5, 3.7][rng.random_range(0..5)];
+            let (got, want) = (pow_nonneg_f32(d, p) as f64, (d as f64).powf(p as f64));
+            if want > 1e-37 && want < 1e38 {
+                // The rounding of y = p·log2(d) (|y| up to ~220 here) is amplified by ln 2 · |y|.
+                let tol = 2e-7 * (1.0 + (p as f64 * (d as f64).log2()).abs());
                 worst = worst.max(((got - want) / want).abs() / tol);
             }
         }
         assert!(worst < 1.0, "worst relative error {worst} of the tolerance");
-        assert_eq!(pow_nonneg(0.0, 2.4), 0.0);
-        assert_eq!(pow_nonneg(1.0, 2.4), 1.0);
-        assert_eq!(pow_nonneg(2.0, 2.0), 4.0);
-        assert_eq!(pow_nonneg(1e300, 2.4), f64::INFINITY);
-        assert_eq!(pow_nonneg(1e-300, 2.4), 0.0);
+        assert_eq!(pow_nonneg_f32(0.0, 2.4), 0.0);
+        assert_eq!(pow_nonneg_f32(1.0, 2.4), 1.0);
+        assert_eq!(pow_nonneg_f32(2.0, 2.0), 4.0);
+        assert_eq!(pow_nonneg_f32(1e30, 2.4), f32::INFINITY);
+        assert_eq!(pow_nonneg_f32(1e-30, 2.4), 0.0);
     }
 
     #[test]
@@ -543,6 +615,13 @@ mod tests {
             assert!(got == want, "{x}: {got} vs {want}");
         }
         assert!(round_half_even(f64::NAN).is_nan());
+        let mut ys: Vec<f32> = vec![0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, 8388607.5, -8388607.5, 1e30, -1e30, f32::INFINITY, 0.0, 3.0];
+        ys.extend((0..100_000).map(|_| rng.random_range(-300.0f32..300.0)));
+        ys.extend((0..1000).map(|i| i as f32 * 0.5 - 250.0));
+        for y in ys {
+            let (got, want) = (round_half_even_f32(y), y.round_ties_even());
+            assert!(got == want, "{y}: {got} vs {want}");
+        }
     }
 
     #[test]
@@ -553,9 +632,10 @@ mod tests {
             let (s, z) = find_params(v.iter().copied(), 4, false);
             let want: f64 = v.iter().map(|&x| (dequantize_value(quantize_value(x, s, z, 15), s, z) as f64 - x as f64).abs().powf(2.4)).sum();
             let got = group_err_bounded(&v, s, z, 15, 2.4, f64::INFINITY);
-            assert!((got - want).abs() <= 1e-13 * want, "n {n}: {got} vs {want}");
+            // f32 terms (each within ~4e-6 relative) summed in f32.
+            assert!((got - want).abs() <= 2e-5 * want, "n {n}: {got} vs {want}");
             let half = group_err_bounded(&v, s, z, 15, 2.4, want / 2.0);
-            assert!(half >= want / 2.0 && half <= got * (1.0 + 1e-13), "n {n}: stopped at {half}");
+            assert!(half >= want / 2.0 && half <= got * (1.0 + 1e-6), "n {n}: stopped at {half}");
         }
     }
 }

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use burn::tensor::Device;
 use deco_formats::config::ModelConfig;
-use deco_model::calibrate::{Calibrator, LayerWeights, Linear};
+use deco_model::calibrate::{CalibDtype, Calibrator, LayerWeights, Linear};
 use deco_model::decoder::{LayerHook, NoHook};
 use deco_model::host::to_host;
 use deco_quant::Error;
@@ -126,7 +126,7 @@ impl Fixture {
 
     fn quantize(&self, method: &Method, scheme: &Scheme) -> deco_quant::Result<QuantizedModel> {
         let src = self.src();
-        quantize_model(&self.cfg, &src, &self.dev, &self.calib, method, scheme, &mut |_| {})
+        quantize_model(&self.cfg, &src, &self.dev, &self.calib, method, scheme, CalibDtype::F32, &mut |_| {})
     }
 
     /// Logit MSE of a quantized model (with its activation hook, or `hook` if given).
@@ -188,12 +188,12 @@ fn quantize_linears_is_the_pipeline_loop() {
     let f = Fixture::new();
     let src = f.src();
     let s = Scheme { bits: 4, sym: true, granularity: Granularity::PerGroup(48) }; // ragged on 64
-    let q = quantize_linears(&f.cfg, &src, &f.dev, &[], &Method::Rtn, &s, &mut |_| {}).unwrap();
+    let q = quantize_linears(&f.cfg, &src, &f.dev, &[], &Method::Rtn, &s, CalibDtype::F32, &mut |_| {}).unwrap();
     let m = f.quantize(&Method::Rtn, &s).unwrap();
     assert_eq!(q, m.quantized);
     assert_eq!(q["model.layers.0.self_attn.q_proj.weight"].groups(), 2);
     assert!(matches!(
-        quantize_linears(&f.cfg, &src, &f.dev, &f.calib, &Method::Awq(AwqConfig::default()), &s, &mut |_| {}),
+        quantize_linears(&f.cfg, &src, &f.dev, &f.calib, &Method::Awq(AwqConfig::default()), &s, CalibDtype::F32, &mut |_| {}),
         Err(Error::InvalidParameter { name: "method", .. })
     ));
 }
@@ -212,9 +212,9 @@ fn bad_parameters_are_named() {
     assert_eq!(name(f.quantize(&Method::LlmInt8 { threshold: 0.0, auto: false }, &s)), "threshold");
     assert_eq!(name(f.quantize(&Method::Rtn, &Scheme { bits: 5, ..s })), "bits");
     assert_eq!(name(f.quantize(&Method::Awq(AwqConfig::default()), &Scheme { granularity: Granularity::PerGroup(0), ..s })), "group_size");
-    let empty = quantize_model(&f.cfg, &src, &f.dev, &[], &Method::Awq(AwqConfig::default()), &s, &mut |_| {});
+    let empty = quantize_model(&f.cfg, &src, &f.dev, &[], &Method::Awq(AwqConfig::default()), &s, CalibDtype::F32, &mut |_| {});
     assert!(matches!(empty, Err(Error::Calibration(_))));
-    let empty = quantize_model(&f.cfg, &src, &f.dev, &[], &Method::SmoothQuant { alpha: 0.5 }, &s, &mut |_| {});
+    let empty = quantize_model(&f.cfg, &src, &f.dev, &[], &Method::SmoothQuant { alpha: 0.5 }, &s, CalibDtype::F32, &mut |_| {});
     assert!(matches!(empty, Err(Error::Calibration(_))));
     assert!(ActQuant::from_json(&serde_json::json!({"activations": "per_token_int8", "outliers": "threshold"})).is_err());
 }
