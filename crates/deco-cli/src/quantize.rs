@@ -25,7 +25,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::ModelArgs;
 
-/// Quantization algorithm.
 /// `--calib-dtype`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum CalibDtypeArg {
@@ -35,6 +34,7 @@ enum CalibDtypeArg {
     Bf16,
 }
 
+/// Quantization algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum MethodArg {
     /// Round to nearest (AutoGPTQ's scale/zero convention).
