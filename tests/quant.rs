@@ -596,6 +596,52 @@ fn methods_beat_rtn_on_planted_outliers() {
     }
 }
 
+/// The clipping search picks, per row and group, the clip value a brute-force llm-awq
+/// `auto_clip_layer` picks (the f64 output error of every candidate over the tokens), or one
+/// whose error is within rounding of it: the search computes the same sums through the group's
+/// Gram matrix.
+#[test]
+fn awq_clip_search_matches_brute_force_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let (tokens, rows, cols, gs) = (96usize, 7usize, 80usize, 32usize);
+    let mut x = randn(&mut rng, tokens * cols);
+    for t in 0..tokens {
+        x[t * cols + 5] *= 8.0;
+    }
+    let mut w = randn(&mut rng, rows * cols);
+    w[3 * cols + 40] = 6.0;
+    let scheme = Scheme { bits: 3, sym: false, granularity: Granularity::PerGroup(gs) };
+    let (n_grid, max_shrink) = (20usize, 0.5);
+    let clip = search_clip(&w, rows, cols, &x, tokens, &scheme, n_grid, max_shrink).unwrap();
+    let groups = cols.div_ceil(gs);
+    assert_eq!(clip.len(), rows * groups);
+    let row_scheme = Scheme { granularity: Granularity::PerChannel, ..scheme };
+    for g in 0..groups {
+        let (c0, c1) = (g * gs, ((g + 1) * gs).min(cols));
+        let n = c1 - c0;
+        for r in 0..rows {
+            let wr = &w[r * cols + c0..r * cols + c1];
+            let mx = wr.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            // The output error of clip value m, in f64 over every token.
+            let err_of = |m: f32| -> f64 {
+                let clamped: Vec<f32> = wr.iter().map(|v| v.clamp(-m, m)).collect();
+                let q = quantize_rtn(&clamped, 1, n, &row_scheme).unwrap().dequantize();
+                (0..tokens)
+                    .map(|t| {
+                        let xt = &x[t * cols + c0..t * cols + c1];
+                        let d: f64 = xt.iter().zip(&q).zip(wr).map(|((&a, &b), &c)| a as f64 * (b as f64 - c as f64)).sum();
+                        d * d
+                    })
+                    .sum()
+            };
+            let steps = (max_shrink * n_grid as f64) as usize;
+            let best = (0..steps).map(|i| err_of(mx * (1.0 - i as f32 / n_grid as f32))).fold(f64::INFINITY, f64::min);
+            let got = err_of(clip[r * groups + g]);
+            assert!(got <= best * (1.0 + 1e-5) + 1e-12, "row {r} group {g}: clip {} error {got}, best {best}", clip[r * groups + g]);
+        }
+    }
+}
+
 #[test]
 fn awq_and_smoothquant_scales_finite_for_zero_channels() {
     let x_mean = [0.0f32, 1.0, 4.0, 0.0];

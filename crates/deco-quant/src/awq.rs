@@ -112,6 +112,11 @@ pub fn search_scale(
 /// Returns the clip values `[rows, groups]`, `groups = ceil(cols / group_size)` (the last group
 /// ragged when the size does not divide `cols`).
 ///
+/// The squared error of row `r` is computed as `d_rᵀ G d_r` (`G = x_gᵀ x_g`, `d_r` the row's
+/// quantization change), the same sum as the reference's `(x_g q_rᵀ − x_g w_rᵀ)²` over tokens
+/// with `group_size` instead of `tokens` multiply-adds per weight and candidate; groups run in
+/// parallel.
+///
 /// # Errors
 /// Invalid bits, group size 0, shapes.
 #[allow(clippy::too_many_arguments)] // llm-awq's `auto_clip_layer` parameters, one to one
@@ -153,12 +158,15 @@ pub fn search_clip(
                 for r in 0..rows {
                     wg[r * gs..(r + 1) * gs].copy_from_slice(&w[r * cols + c0..r * cols + c0 + gs]);
                 }
-                let mut org = vec![0.0f32; tokens * rows];
-                let mut out = vec![0.0f32; tokens * rows];
-                sgemm_abt(&xg, &wg, tokens, gs, rows, &mut org);
+                // Σ_t (x_t · (q_r − w_r))² = d_rᵀ G d_r with G = x_gᵀ x_g (`[gs, gs]`) and
+                // d_r = q_r − w_r: the reference's output error from one Gram matrix per group
+                // instead of a `[tokens, rows]` product per candidate (gs instead of tokens
+                // multiply-adds per weight and candidate).
+                let gram = deco_kernels::dense::gram(&xg, tokens, gs).expect("xg is tokens × gs");
                 let org_max: Vec<f32> = (0..rows).map(|r| wg[r * gs..(r + 1) * gs].iter().fold(0.0f32, |m, v| m.max(v.abs()))).collect();
                 let mut best_err = vec![f64::INFINITY; rows];
                 let mut best = vec![0.0f32; rows];
+                let mut dg = vec![0.0f32; rows * gs];
                 for i in 0..steps {
                     let f = 1.0 - i as f32 / n_grid as f32;
                     let mut clamped = wg.clone();
@@ -168,18 +176,17 @@ pub fn search_clip(
                             *v = v.clamp(-m, m);
                         }
                     }
-                    let q = fake_quant_ragged(&clamped, rows, gs, &row_scheme)?;
-                    sgemm_abt(&xg, &q, tokens, gs, rows, &mut out);
-                    let mut err = vec![0.0f64; rows];
-                    for t in 0..tokens {
-                        for r in 0..rows {
-                            let d = (out[t * rows + r] - org[t * rows + r]) as f64;
-                            err[r] += d * d;
-                        }
+                    let mut d = fake_quant_ragged(&clamped, rows, gs, &row_scheme)?;
+                    for (dv, &wv) in d.iter_mut().zip(&wg) {
+                        *dv -= wv;
                     }
+                    // dg = d · G (G is symmetric, so it is its own `[in, out]` layout).
+                    deco_kernels::dense::matmul(&d, rows, &gram, gs, gs, &mut dg).expect("d is rows × gs, G gs × gs");
                     for r in 0..rows {
-                        if err[r] < best_err[r] {
-                            best_err[r] = err[r];
+                        let row = r * gs..(r + 1) * gs;
+                        let err: f64 = dg[row.clone()].iter().zip(&d[row]).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        if err < best_err[r] {
+                            best_err[r] = err;
                             best[r] = org_max[r] * f;
                         }
                     }
@@ -211,14 +218,6 @@ pub fn apply_clip(w: &mut [f32], rows: usize, cols: usize, group_size: usize, cl
     }
 }
 
-/// `out[m, n] = a[m, k] · b[n, k]ᵀ` (row-major f32), on deco's host matmul
-/// ([`deco_kernels::dense::matmul`]: its AVX-512 register tile where the CPU has one, in
-/// parallel) after transposing `b` into its `[k, n]` layout.
-pub(crate) fn sgemm_abt(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, out: &mut [f32]) {
-    assert!(a.len() >= m * k && b.len() >= n * k && out.len() >= m * n);
-    let bt = deco_model::host::transpose(&b[..n * k], n, k);
-    deco_kernels::dense::matmul(&a[..m * k], m, &bt, k, n, &mut out[..m * n]).expect("lengths asserted above");
-}
 
 /// Options of whole-model AWQ ([`crate::pipeline::Method::Awq`]), llm-awq's defaults.
 #[derive(Debug, Clone, Copy, PartialEq)]
