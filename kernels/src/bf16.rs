@@ -57,7 +57,8 @@ pub fn available() -> bool {
 #[inline(always)]
 pub fn to_bf16_bits(x: f32) -> u16 {
     let u = x.to_bits();
-    let rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+    // Wrapping: only NaN bit patterns can overflow, and they are replaced below.
+    let rounded = u.wrapping_add(0x7FFF + ((u >> 16) & 1)) >> 16;
     let r = if x.is_nan() { (u >> 16) | 0x40 } else { rounded };
     let r = if x.abs() < f32::MIN_POSITIVE { (u >> 16) & 0x8000 } else { r };
     r as u16
@@ -103,9 +104,17 @@ impl PackedBf16 {
         let strips = out.div_ceil(NR);
         let mut data = vec![0u32; strips * kp * NR];
         crate::team::par_chunks_mut(&mut data, (kp * NR).max(1), |s, strip| {
+            let c0 = s * NR;
             for (p, row) in strip.chunks_exact_mut(NR).enumerate() {
+                if c0 + NR <= out && 2 * p + 1 < inner {
+                    // A whole strip row: two weight rows interleaved, vectorized.
+                    let lo = &w[2 * p * out + c0..2 * p * out + c0 + NR];
+                    let hi = &w[(2 * p + 1) * out + c0..(2 * p + 1) * out + c0 + NR];
+                    convert_pairs(lo, Some(hi), row);
+                    continue;
+                }
                 for (j, v) in row.iter_mut().enumerate() {
-                    let c = s * NR + j;
+                    let c = c0 + j;
                     if c < out {
                         let lo = w[2 * p * out + c];
                         let hi = if 2 * p + 1 < inner { w[(2 * p + 1) * out + c] } else { 0.0 };
@@ -187,7 +196,6 @@ fn convert_rows(x: &[f32], n: usize, inner: usize, xb: &mut [u32]) {
 /// `dst[p]` = the bf16 pair of `lo` and `hi` at the same index when `hi` is given (two rows
 /// interleaved: `lo[p]` low, `hi[p]` high), else of `lo[2p]` and `lo[2p + 1]` (one row in
 /// pairs; zero past an odd end). Values as [`to_bf16_bits`].
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn convert_pairs(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     if available() {
