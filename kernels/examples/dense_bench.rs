@@ -1,7 +1,9 @@
 //! Host f32 matmul (`deco_kernels::dense::matmul`) at SmolLM2-135M's prefill shapes: GFLOP/s,
 //! median of 15 calls after 3 warm-ups; then the Gram matrix `xᵀx` (`dense::gram`) at its two
 //! widths, median of 6 calls. `DECO_KERNELS=avx2` runs the `gemm` crate's path on an
-//! AVX-512 CPU, for an A/B of the same binary.
+//! AVX-512 CPU, for an A/B of the same binary. On CPUs with AVX-512 BF16 each line also gives
+//! the bf16 products of the compression jobs' calibration (`deco_kernels::bf16`) on the same
+//! inputs, measured in the same run.
 //!
 //! `cargo run --release -p deco-kernels --example dense_bench -- [tokens]`
 //!
@@ -29,22 +31,38 @@ fn main() {
         decode(n);
         return;
     }
-    println!("isa {:?}, {} threads, {n} tokens", deco_kernels::quant::Isa::detect(), rayon::current_num_threads());
-    for (inner, out, what) in [(576, 576, "q/o"), (576, 192, "k/v"), (576, 1536, "gate/up"), (1536, 576, "down")] {
+    let bf16 = deco_kernels::bf16::available();
+    println!("isa {:?}, {} threads, {n} tokens, bf16 products {}", deco_kernels::quant::Isa::detect(), rayon::current_num_threads(), if bf16 { "too" } else { "not available" });
+    for (inner, out, what) in [(576, 576, "q/o"), (576, 192, "k/v"), (576, 960, "q+k+v"), (576, 1536, "gate/up"), (576, 3072, "gate+up"), (1536, 576, "down")] {
         let x: Vec<f32> = (0..n * inner).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
         let w: Vec<f32> = (0..inner * out).map(|i| ((i * 104_729) % 1000) as f32 * 1e-3 - 0.5).collect();
         let mut y = vec![0.0f32; n * out];
+        let flop = 2.0 * (n * inner * out) as f64;
         let med = median_secs(18, 3, || deco_kernels::dense::matmul(&x, n, &w, inner, out, &mut y).expect("matmul"));
-        println!("{what:8} {inner:5} x {out:5}: {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, 2.0 * (n * inner * out) as f64 / med * 1e-9);
+        print!("{what:8} {inner:5} x {out:5}: {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
+        if bf16 {
+            let p = deco_kernels::bf16::PackedBf16::new(&w, inner, out).expect("pack");
+            let med = median_secs(18, 3, || deco_kernels::bf16::matmul(&x, n, &p, &mut y).expect("bf16 matmul"));
+            print!("   bf16 {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
+        }
+        println!();
     }
     // The calibration Hessians of GPTQ / SparseGPT at the given token count, rated on the
     // n · cols² flops of the lower half's multiply-adds.
     for cols in [576, 1536] {
         let x: Vec<f32> = (0..n * cols).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+        let flop = (n * cols * cols) as f64;
         let med = median_secs(8, 2, || {
             std::hint::black_box(deco_kernels::dense::gram(&x, n, cols).expect("gram"));
         });
-        println!("gram     {n:5} x {cols:5}: {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, (n * cols * cols) as f64 / med * 1e-9);
+        print!("gram     {n:5} x {cols:5}: {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
+        if bf16 {
+            let med = median_secs(8, 2, || {
+                std::hint::black_box(deco_kernels::bf16::gram(&x, n, cols).expect("bf16 gram"));
+            });
+            print!("   bf16 {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
+        }
+        println!();
     }
 }
 

@@ -21,22 +21,17 @@
 //! Only x86-64 CPUs with AVX-512 F and AVX-512 BF16 run it ([`available`]); the callers keep
 //! the f32 kernels elsewhere.
 
+#[cfg(target_arch = "x86_64")]
+use crate::dense::{GRAM_TILE, MR, NC, lower_blocks, mirror_lower, par_output_tiles, store_tile};
+use crate::dense::NR;
 use crate::error::{Error, Result};
 #[cfg(target_arch = "x86_64")]
 use crate::quant::{Isa, SyncPtr};
 
-/// Output columns per register tile and per packed strip (two 16-lane vectors).
-const NR: usize = 32;
-/// Tokens per register tile (the broadcast side).
+/// Inner pairs per block: the f32 kernel's [`crate::dense::KC`] values (576) as pairs, so a
+/// 12-token panel is 13.5 KiB (L1) and a block of 16 strips 576 KiB (L2).
 #[cfg(target_arch = "x86_64")]
-const MR: usize = 12;
-/// Inner pairs per block: 288 pairs are 576 values (the f32 kernel's `KC`), so a 12-token panel
-/// is 13.5 KiB (L1) and a block of 16 strips 576 KiB (L2).
-#[cfg(target_arch = "x86_64")]
-const KCP: usize = 288;
-/// Output columns per block of strips.
-#[cfg(target_arch = "x86_64")]
-const NC: usize = 512;
+const KCP: usize = crate::dense::KC / 2;
 
 /// Whether this CPU runs the bf16 products: x86-64 with AVX-512 F and AVX-512 BF16, and
 /// `DECO_KERNELS` not capping the kernels below AVX-512.
@@ -270,27 +265,17 @@ unsafe fn convert_pairs_avx512(lo: &[f32], hi: Option<&[f32]>, dst: &mut [u32]) 
 }
 
 /// [`matmul`]'s work for AVX-512 BF16: tasks over (token range, column range) as in
-/// [`crate::dense`]'s AVX-512 kernel; per block of [`NC`] columns and [`KCP`] pairs, each group
-/// of [`MR`] tokens is multiplied with every strip of the block, the tokens' pairs read in place
-/// (the last, partial group copied with zero rows).
+/// [`crate::dense`]'s AVX-512 kernel ([`par_output_tiles`]); per block of [`NC`] columns and
+/// [`KCP`] pairs, each group of [`MR`] tokens is multiplied with every strip of the block, the
+/// tokens' pairs read in place (the last, partial group copied with zero rows).
 ///
 /// # Safety
 /// AVX-512 F and BF16; `xb` is `[n, kp]`, `y` `[n, w.out]`, `kp == w.inner.div_ceil(2)`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn matmul_avx512(xb: &[u32], n: usize, kp: usize, w: &PackedBf16, y: &mut [f32]) {
     let out = w.out;
-    let threads = rayon::current_num_threads().max(1);
-    let target = 4 * threads;
-    let col_chunk = out.div_ceil(target).next_multiple_of(NR).max(128).min(out.next_multiple_of(NR));
-    let col_tasks = out.div_ceil(col_chunk);
-    let tok_tasks = target.div_ceil(col_tasks).min(n.div_ceil(MR)).max(1);
-    let tok_chunk = n.div_ceil(tok_tasks).next_multiple_of(MR);
-    let tok_tasks = n.div_ceil(tok_chunk);
     let yp = SyncPtr(y.as_mut_ptr());
-    crate::team::par_for(tok_tasks * col_tasks, |task| {
-        let (ti, ci) = (task / col_tasks, task % col_tasks);
-        let (t0, t1) = (ti * tok_chunk, ((ti + 1) * tok_chunk).min(n));
-        let (c0, c1) = (ci * col_chunk, ((ci + 1) * col_chunk).min(out));
+    par_output_tiles(n, out, |t0, t1, c0, c1| {
         let mut panel = [0u32; MR * KCP];
         for nc0 in (c0..c1).step_by(NC) {
             let nc1 = (nc0 + NC).min(c1);
@@ -375,31 +360,23 @@ pub fn gram(x: &[f32], n: usize, cols: usize) -> Result<Vec<f32>> {
         // SAFETY: `available` found AVX-512 F and BF16; `xp` holds `strips · np · NR` pairs,
         // `g` is `[cols, cols]`.
         unsafe { gram_avx512(&xp, np, cols, &mut g) };
-        for i in 0..cols {
-            for j in i + 1..cols {
-                g[i * cols + j] = g[j * cols + i];
-            }
-        }
+        mirror_lower(&mut g, cols);
     }
     Ok(g)
 }
 
-/// Rows and columns of `g` per task of [`gram_avx512`] (as [`crate::dense`]'s); a multiple of
-/// [`NR`], so that a block's columns are whole strips.
-#[cfg(target_arch = "x86_64")]
-const GRAM_TILE: usize = 192;
-
 /// The blocks on and below the diagonal of `g` from the strip-major token pairs `xp` (see
-/// [`gram`]): per task (a [`GRAM_TILE`] block) and per [`KCP`] pairs, each group of [`MR`] rows
-/// of `g` is copied into a `[KCP][MR]` panel and multiplied by [`tile`] with every strip of the
-/// block's columns not wholly above the diagonal, the strips read in place.
+/// [`gram`]): per task (a [`GRAM_TILE`] block, [`lower_blocks`]) and per [`KCP`] pairs, each
+/// group of [`MR`] rows of `g` is copied into a `[KCP][MR]` panel and multiplied by [`tile`]
+/// with every strip of the block's columns not wholly above the diagonal, the strips read in
+/// place.
 ///
 /// # Safety
 /// AVX-512 F and BF16; `xp.len() == cols.div_ceil(NR) · np · NR`, `g.len() == cols · cols`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn gram_avx512(xp: &[u32], np: usize, cols: usize, g: &mut [f32]) {
-    let nb = cols.div_ceil(GRAM_TILE);
-    let blocks: Vec<(usize, usize)> = (0..nb).flat_map(|i| (0..=i).map(move |j| (i, j))).collect();
+    // The blocks are GRAM_TILE (192) wide, a multiple of NR: a block's columns are whole strips.
+    let blocks = lower_blocks(cols);
     let gp = SyncPtr(g.as_mut_ptr());
     crate::team::par_for(blocks.len(), |b| {
         let (bi, bj) = blocks[b];
@@ -461,21 +438,8 @@ unsafe fn tile(kc: usize, a: *const u32, rs: usize, cs: usize, wp: *const u32, y
             }
         }
     }
-    let m0: __mmask16 = if nv >= 16 { 0xFFFF } else { (1u16 << nv) - 1 };
-    let m1: __mmask16 = if nv >= 32 { 0xFFFF } else if nv > 16 { (1u16 << (nv - 16)) - 1 } else { 0 };
-    for (i, row) in acc.iter().enumerate().take(mr) {
-        // SAFETY: row i < mr of y, columns masked to nv.
-        unsafe {
-            let q = y.add(i * ldy);
-            let (mut v0, mut v1) = (row[0], row[1]);
-            if !first {
-                v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, q), v0);
-                v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, q.wrapping_add(16)), v1);
-            }
-            _mm512_mask_storeu_ps(q, m0, v0);
-            _mm512_mask_storeu_ps(q.wrapping_add(16), m1, v1);
-        }
-    }
+    // SAFETY: forwarded from the caller.
+    unsafe { store_tile(&acc, y, ldy, mr, nv, first) };
 }
 
 #[cfg(test)]

@@ -202,7 +202,7 @@ pub fn gram(x: &[f32], n: usize, cols: usize) -> Result<Vec<f32>> {
 }
 
 /// Copies the strict lower triangle of the `[cols, cols]` matrix `g` onto its upper triangle.
-fn mirror_lower(g: &mut [f32], cols: usize) {
+pub(crate) fn mirror_lower(g: &mut [f32], cols: usize) {
     for i in 0..cols {
         for j in i + 1..cols {
             g[i * cols + j] = g[j * cols + i];
@@ -230,7 +230,15 @@ fn pack_columns<const L: usize>(x: &[f32], cols: usize, j0: usize, j1: usize, ds
 /// Rows and columns of `xᵀx` per task of [`gram_avx512`]: 16 register tiles tall, 6 strips wide
 /// (SmolLM2's 576 and 1,536 features are 3 and 8 blocks).
 #[cfg(target_arch = "x86_64")]
-const GRAM_TILE: usize = 192;
+pub(crate) const GRAM_TILE: usize = 192;
+
+/// The `(row block, column block)` pairs of [`GRAM_TILE`] blocks on and below the diagonal of a
+/// `[cols, cols]` Gram matrix: the tasks of [`gram_avx512`] and of [`crate::bf16::gram`].
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn lower_blocks(cols: usize) -> Vec<(usize, usize)> {
+    let nb = cols.div_ceil(GRAM_TILE);
+    (0..nb).flat_map(|i| (0..=i).map(move |j| (i, j))).collect()
+}
 
 /// The blocks on and below the diagonal of `g = xᵀ x` (`x` is `[n, cols]`, `g` is
 /// `[cols, cols]`, zero on entry) with AVX-512 F: [`gemm_avx512`]'s blocking with the features
@@ -244,8 +252,7 @@ const GRAM_TILE: usize = 192;
 /// AVX-512 F must be available; `x.len() == n · cols`, `g.len() == cols · cols`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn gram_avx512(x: &[f32], n: usize, cols: usize, g: &mut [f32]) {
-    let nb = cols.div_ceil(GRAM_TILE);
-    let blocks: Vec<(usize, usize)> = (0..nb).flat_map(|i| (0..=i).map(move |j| (i, j))).collect();
+    let blocks = lower_blocks(cols);
     let gp = SyncPtr(g.as_mut_ptr());
     blocks.into_par_iter().for_each(|(bi, bj)| {
         let (r0, r1) = (bi * GRAM_TILE, ((bi + 1) * GRAM_TILE).min(cols));
@@ -358,21 +365,40 @@ unsafe fn stream_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
     stream(x, n, w, inner, out, i..rows.end, acc);
 }
 
-/// Tokens per register tile of [`gemm_avx512`] (the broadcast side).
+/// Tokens per register tile of [`gemm_avx512`] and of [`crate::bf16`] (the broadcast side).
 #[cfg(target_arch = "x86_64")]
-const MR: usize = 12;
-/// Output columns per register tile of [`gemm_avx512`] (two 16-lane vectors).
-#[cfg(target_arch = "x86_64")]
-const NR: usize = 32;
+pub(crate) const MR: usize = 12;
+/// Output columns per register tile of [`gemm_avx512`] and of [`crate::bf16`] (two 16-lane
+/// vectors; also the width of [`crate::bf16::PackedBf16`]'s strips on every architecture).
+pub(crate) const NR: usize = 32;
 /// Inner-dimension block: the `MR × KC` token rows (27 KiB) stay in L1 while the weight strips
 /// stream past them from L2; SmolLM2's 576-wide projections take one block (measured against
 /// 256, 384 and 768 with `dense_bench`, Intel Xeon with AVX-512, 2 threads: 384 gave 222-236
 /// GFLOP/s, 576 gave 235-250).
 #[cfg(target_arch = "x86_64")]
-const KC: usize = 576;
+pub(crate) const KC: usize = 576;
 /// Output columns per packed weight block: `KC × NC` floats (1.1 MiB) stay in L2.
 #[cfg(target_arch = "x86_64")]
-const NC: usize = 512;
+pub(crate) const NC: usize = 512;
+
+/// Runs `f(t0, t1, c0, c1)` in parallel for the tasks that cut a `[n, out]` output of the
+/// register-tiled kernels (this module's and [`crate::bf16`]'s) into token ranges (multiples of
+/// [`MR`]) × column ranges (multiples of [`NR`], at least 128): at least 4 tasks per thread.
+/// The cut depends on the shape and the thread count; the kernels' sums do not depend on it.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn par_output_tiles(n: usize, out: usize, f: impl Fn(usize, usize, usize, usize) + Sync) {
+    let threads = rayon::current_num_threads().max(1);
+    let target = 4 * threads;
+    let col_chunk = out.div_ceil(target).next_multiple_of(NR).max(128).min(out.next_multiple_of(NR));
+    let col_tasks = out.div_ceil(col_chunk);
+    let tok_tasks = target.div_ceil(col_tasks).min(n.div_ceil(MR)).max(1);
+    let tok_chunk = n.div_ceil(tok_tasks).next_multiple_of(MR);
+    let tok_tasks = n.div_ceil(tok_chunk);
+    crate::team::par_for(tok_tasks * col_tasks, |task| {
+        let (ti, ci) = (task / col_tasks, task % col_tasks);
+        f(ti * tok_chunk, ((ti + 1) * tok_chunk).min(n), ci * col_chunk, ((ci + 1) * col_chunk).min(out));
+    });
+}
 
 /// `y = x · w` for `n > SMALL_N` with AVX-512 F (see [`matmul`] for the shapes).
 ///
@@ -388,18 +414,8 @@ const NC: usize = 512;
 /// AVX-512 F must be available; `x`, `w`, `y` must have the lengths `matmul` checks.
 #[cfg(target_arch = "x86_64")]
 unsafe fn gemm_avx512(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut [f32]) {
-    let threads = rayon::current_num_threads().max(1);
-    let target = 4 * threads;
-    let col_chunk = out.div_ceil(target).next_multiple_of(NR).max(128).min(out.next_multiple_of(NR));
-    let col_tasks = out.div_ceil(col_chunk);
-    let tok_tasks = target.div_ceil(col_tasks).min(n.div_ceil(MR)).max(1);
-    let tok_chunk = n.div_ceil(tok_tasks).next_multiple_of(MR);
-    let tok_tasks = n.div_ceil(tok_chunk);
     let yp = SyncPtr(y.as_mut_ptr());
-    crate::team::par_for(tok_tasks * col_tasks, |task| {
-        let (ti, ci) = (task / col_tasks, task % col_tasks);
-        let (t0, t1) = (ti * tok_chunk, ((ti + 1) * tok_chunk).min(n));
-        let (c0, c1) = (ci * col_chunk, ((ci + 1) * col_chunk).min(out));
+    par_output_tiles(n, out, |t0, t1, c0, c1| {
         PANELS.with(|panels| {
             let mut panels = panels.borrow_mut();
             let (wp, xp) = &mut *panels;
@@ -483,6 +499,21 @@ unsafe fn tile_avx512(kc: usize, a: *const f32, rs: usize, cs: usize, wp: *const
             }
         }
     }
+    // SAFETY: forwarded from the caller.
+    unsafe { store_tile(&acc, y, ldy, mr, nv, first) };
+}
+
+/// The end of a register tile ([`tile_avx512`], [`crate::bf16`]'s): `y[i, j] = acc[i, j]`
+/// (`first`) or `y[i, j] += acc[i, j]` for the first `mr` rows and `nv` columns (masked loads
+/// and stores).
+///
+/// # Safety
+/// AVX-512 F; `y` (row stride `ldy`) writable for `mr <= MR` rows of `nv <= NR` columns.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn store_tile(acc: &[[std::arch::x86_64::__m512; 2]; MR], y: *mut f32, ldy: usize, mr: usize, nv: usize, first: bool) {
+    use std::arch::x86_64::*;
     let m0: __mmask16 = if nv >= 16 { 0xFFFF } else { (1u16 << nv) - 1 };
     let m1: __mmask16 = if nv >= 32 { 0xFFFF } else if nv > 16 { (1u16 << (nv - 16)) - 1 } else { 0 };
     for (i, row) in acc.iter().enumerate().take(mr) {
