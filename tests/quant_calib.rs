@@ -41,6 +41,16 @@ fn golden_windows() -> (Calibrator, Vec<Vec<u32>>, Vec<f32>) {
     (c, windows, embed)
 }
 
+/// The whole model's logits through `c` over `windows` (`[tokens, vocab]`, host), the tied
+/// embedding as LM head, layers fetched one at a time.
+fn model_logits(c: &Calibrator, windows: &[Vec<u32>], embed: &[f32]) -> Vec<f32> {
+    let ck = ckpt();
+    let (_, norm) = ck.tensor("model.norm.weight").unwrap();
+    let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ck.tensor(n)?) };
+    let mut layers = |li: usize| LayerWeights::fetch(&ck.config, li, &src);
+    to_host(c.forward_logits(windows, embed, &mut layers, &norm, embed, &NoHook).unwrap()).unwrap()
+}
+
 /// The calibrator runs the one decoder layer (`deco_model::decoder::Pass`) over windows without
 /// a cache; its logits are checked against the independent float64 reference: every position of
 /// prompt 0 and the last position of prompt 1, both windows in one pass.
@@ -52,10 +62,7 @@ fn calibrator_matches_float64_reference() {
     let cfg = &ck.config;
     let (c, windows, embed) = golden_windows();
     let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
-    let (_, norm) = ck.tensor("model.norm.weight").unwrap();
-    let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ck.tensor(n)?) };
-    let mut layers = |li: usize| LayerWeights::fetch(cfg, li, &src);
-    let got = to_host(c.forward_logits(&windows, &embed, &mut layers, &norm, &embed, &NoHook).unwrap()).unwrap();
+    let got = model_logits(&c, &windows, &embed);
     let v = cfg.vocab_size;
     assert_eq!(got.len(), (lens[0] + lens[1]) * v);
     let (shape, all0) = &g.tensors["prompt0.all_logits"];
@@ -87,10 +94,7 @@ fn bf16_calibrator_stays_near_float64_reference() {
     let c = c.with_dtype(CalibDtype::Bf16).unwrap();
     assert_eq!(c.dtype(), CalibDtype::Bf16);
     let lens: Vec<usize> = windows.iter().map(Vec::len).collect();
-    let (_, norm) = ck.tensor("model.norm.weight").unwrap();
-    let src = |n: &str| -> deco_model::Result<(Vec<usize>, Vec<f32>)> { Ok(ck.tensor(n)?) };
-    let mut layers = |li: usize| LayerWeights::fetch(cfg, li, &src);
-    let got = to_host(c.forward_logits(&windows, &embed, &mut layers, &norm, &embed, &NoHook).unwrap()).unwrap();
+    let got = model_logits(&c, &windows, &embed);
     let v = cfg.vocab_size;
     let all0 = &g.tensors["prompt0.all_logits"].1;
     let argmax = |r: &[f32]| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i);

@@ -210,15 +210,8 @@ pub fn par_for(tasks: usize, f: impl Fn(usize) + Sync) {
 pub fn par_chunks_mut<T: Send>(data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
     let chunk = chunk.max(1);
     let len = data.len();
-    struct Ptr<T>(*mut T);
-    // SAFETY: the tasks touch disjoint chunks of a slice of `Send` elements.
-    unsafe impl<T: Send> Sync for Ptr<T> {}
-    impl<T> Ptr<T> {
-        fn get(&self) -> *mut T {
-            self.0
-        }
-    }
-    let p = Ptr(data.as_mut_ptr());
+    // The tasks touch disjoint chunks of a slice of `Send` elements.
+    let p = crate::quant::SyncPtr(data.as_mut_ptr());
     par_for(len.div_ceil(chunk), |i| {
         let start = i * chunk;
         let n = chunk.min(len - start);

@@ -223,6 +223,7 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     // own later columns; H⁻¹ is shared), so runs of ROW_CHUNK rows go through the whole column
     // loop in parallel. The chunks are fixed by the shape, not by the thread count, and each
     // row's arithmetic is the same as in one pass over all rows.
+    let job = RowsJob { n, hinv: &hinv, cfg, gs, grouped, col_group: &col_group, row_params: &row_params };
     let chunks: Vec<RowsOut> = wm
         .par_chunks_mut(ROW_CHUNK * n)
         .enumerate()
@@ -230,7 +231,7 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
             let r0 = ci * ROW_CHUNK;
             let nr = wc.len() / n;
             let sp = static_params.as_ref().map(|sp| sp.iter().map(|g| &g[r0..r0 + nr]).collect::<Vec<_>>());
-            gptq_rows_dispatch(wc, nr, n, &hinv, cfg, gs, grouped, sp.as_deref(), &col_group, &row_params)
+            gptq_rows_dispatch(&job, wc, nr, sp.as_deref())
         })
         .collect();
     let mut codes_p = Vec::with_capacity(rows * n);
@@ -285,63 +286,42 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
 /// [`gptq_rows`] compiled for the widest vectors this CPU has (the column updates are f64
 /// AXPYs; the baseline x86-64 build has SSE2 only). The same operations in the same order on
 /// every path (no fused multiply-adds: Rust does not contract `a - b * c`), so the same bits.
-#[allow(clippy::too_many_arguments)] // gptq_rows' own
-fn gptq_rows_dispatch(
-    wm: &mut [f64],
-    nr: usize,
-    n: usize,
-    hinv: &[f64],
-    cfg: &GptqConfig,
-    gs: usize,
-    grouped: bool,
-    static_params: Option<&[&[(f32, f32)]]>,
-    col_group: &[u32],
-    row_params: &RowParams<'_>,
-) -> RowsOut {
+fn gptq_rows_dispatch(job: &RowsJob<'_>, wm: &mut [f64], nr: usize, static_params: Option<&[&[(f32, f32)]]>) -> RowsOut {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f,avx512vl,avx2")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx512(
-            wm: &mut [f64],
-            nr: usize,
-            n: usize,
-            hinv: &[f64],
-            cfg: &GptqConfig,
-            gs: usize,
-            grouped: bool,
-            static_params: Option<&[&[(f32, f32)]]>,
-            col_group: &[u32],
-            row_params: &RowParams<'_>,
-        ) -> RowsOut {
-            gptq_rows(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params)
+        unsafe fn avx512(job: &RowsJob<'_>, wm: &mut [f64], nr: usize, static_params: Option<&[&[(f32, f32)]]>) -> RowsOut {
+            gptq_rows(job, wm, nr, static_params)
         }
         #[target_feature(enable = "avx2")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn avx2(
-            wm: &mut [f64],
-            nr: usize,
-            n: usize,
-            hinv: &[f64],
-            cfg: &GptqConfig,
-            gs: usize,
-            grouped: bool,
-            static_params: Option<&[&[(f32, f32)]]>,
-            col_group: &[u32],
-            row_params: &RowParams<'_>,
-        ) -> RowsOut {
-            gptq_rows(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params)
+        unsafe fn avx2(job: &RowsJob<'_>, wm: &mut [f64], nr: usize, static_params: Option<&[&[(f32, f32)]]>) -> RowsOut {
+            gptq_rows(job, wm, nr, static_params)
         }
         use deco_kernels::quant::Isa;
         match Isa::detect() {
             // SAFETY: the CPU has the features (Isa::detect).
-            Isa::Avx512 => return unsafe { avx512(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params) },
+            Isa::Avx512 => return unsafe { avx512(job, wm, nr, static_params) },
             // SAFETY: as above.
-            Isa::Avx2 => return unsafe { avx2(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params) },
+            Isa::Avx2 => return unsafe { avx2(job, wm, nr, static_params) },
             Isa::Scalar => {}
         }
     }
-    gptq_rows(wm, nr, n, hinv, cfg, gs, grouped, static_params, col_group, row_params)
+    gptq_rows(job, wm, nr, static_params)
+}
+
+/// What every row chunk of one [`gptq_quantize`] shares.
+struct RowsJob<'a> {
+    /// Columns (inputs).
+    n: usize,
+    /// The upper factor of `H⁻¹`, `[n, n]`, in permuted order.
+    hinv: &'a [f64],
+    cfg: &'a GptqConfig,
+    /// Columns per group (`n` without groups).
+    gs: usize,
+    grouped: bool,
+    /// Group of each permuted column.
+    col_group: &'a [u32],
+    row_params: &'a RowParams<'a>,
 }
 
 /// Rows per parallel task of [`gptq_quantize`].
@@ -361,24 +341,13 @@ struct RowsOut {
 }
 
 /// Algorithm 1 over `nr` rows `wm` (`[nr, n]`, permuted, dead columns zeroed; updated in
-/// place) with the shared upper factor `hinv` of `H⁻¹`: lazy batches of `cfg.blocksize`
+/// place) with the shared upper factor `job.hinv` of `H⁻¹`: lazy batches of `cfg.blocksize`
 /// columns, group parameters found when a group's first column is reached (from the weights
 /// as updated by the previous blocks), or taken from `static_params` (`[groups][nr]`) by the
-/// group `col_group[col]` of each permuted column.
-#[allow(clippy::too_many_arguments)] // the shared state of one quantization
+/// group `job.col_group[col]` of each permuted column.
 #[inline(always)]
-fn gptq_rows(
-    wm: &mut [f64],
-    nr: usize,
-    n: usize,
-    hinv: &[f64],
-    cfg: &GptqConfig,
-    gs: usize,
-    grouped: bool,
-    static_params: Option<&[&[(f32, f32)]]>,
-    col_group: &[u32],
-    row_params: &RowParams<'_>,
-) -> RowsOut {
+fn gptq_rows(job: &RowsJob<'_>, wm: &mut [f64], nr: usize, static_params: Option<&[&[(f32, f32)]]>) -> RowsOut {
+    let RowsJob { n, hinv, cfg, gs, grouped, col_group, row_params } = *job;
     let maxq = (1u32 << cfg.bits) - 1;
     let mut cur: Vec<(f32, f32)> = if grouped { vec![(1.0, 0.0); nr] } else { (0..nr).map(|r| row_params(wm, r, 0, n)).collect() };
     let mut params: Vec<Vec<(f32, f32)>> = Vec::new();

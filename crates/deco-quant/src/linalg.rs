@@ -2,6 +2,8 @@
 //! SPD inverses), enough for GPTQ's and SparseGPT's `H⁻¹`: blocked, with the bulk of the work
 //! in `matrixmultiply`'s GEMM.
 
+use deco_kernels::quant::SyncPtr;
+
 use crate::{Error, Result};
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -37,21 +39,6 @@ unsafe fn gemm_sub(m: usize, k: usize, nn: usize, a: *const f64, lda: usize, b: 
     unsafe { matrixmultiply::dgemm(m, k, nn, alpha, a, lda as isize, 1, b, rsb, csb, 1.0, c, ldc as isize, 1) }
 }
 
-/// A pointer that parallel tasks share; each task writes its own disjoint part.
-#[derive(Clone, Copy)]
-struct Shared(*mut f64);
-// SAFETY: the tasks that receive it write disjoint elements (see each use).
-unsafe impl Send for Shared {}
-// SAFETY: as above.
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    /// The pointer (a method, so that closures capture the whole `Shared`).
-    fn get(self) -> *mut f64 {
-        self.0
-    }
-}
-
 /// Columns of `C` per parallel task of [`gemm_sub_par`] (a multiple of every `matrixmultiply`
 /// f64 kernel's width).
 const PAR_COLS: usize = 128;
@@ -69,7 +56,7 @@ unsafe fn gemm_sub_par(m: usize, k: usize, nn: usize, a: *const f64, lda: usize,
         // SAFETY: forwarded from the caller.
         return unsafe { gemm_sub(m, k, nn, a, lda, b, ldb, b_t, c, ldc, alpha) };
     }
-    let (a, b, c) = (Shared(a.cast_mut()), Shared(b.cast_mut()), Shared(c));
+    let (a, b, c) = (SyncPtr(a.cast_mut()), SyncPtr(b.cast_mut()), SyncPtr(c));
     (0..nn.div_ceil(PAR_COLS)).into_par_iter().for_each(|t| {
         let j0 = t * PAR_COLS;
         let w = PAR_COLS.min(nn - j0);
@@ -121,7 +108,7 @@ pub fn cholesky_lower(a: &[f64], n: usize) -> Result<Vec<f64>> {
         // with P the panel columns k0..k1 (the part right of the diagonal is never read).
         {
             use rayon::prelude::*;
-            let p = Shared(l.as_mut_ptr());
+            let p = SyncPtr(l.as_mut_ptr());
             (k1..n).step_by(NB).collect::<Vec<_>>().into_par_iter().for_each(|i0| {
                 let p = p.get();
                 let i1 = (i0 + NB).min(n);

@@ -637,10 +637,20 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
 }
 
-/// A raw pointer that rayon tasks may share to write disjoint elements (also used by
-/// [`crate::dense`]).
-#[derive(Clone, Copy)]
-pub(crate) struct SyncPtr<T = f32>(pub(crate) *mut T);
+/// A raw pointer that parallel tasks (rayon, [`crate::team`]) may share to write disjoint
+/// elements: the packed and dense kernels here, [`crate::team::par_chunks_mut`], and the
+/// blocked factorizations of `deco-quant`. Whoever dereferences it must make sure the tasks'
+/// elements are disjoint and in bounds.
+#[derive(Debug)]
+pub struct SyncPtr<T = f32>(pub *mut T);
+
+// Copy for every `T` (a derive would ask `T: Copy`): it is a pointer.
+impl<T> Clone for SyncPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SyncPtr<T> {}
 // SAFETY: every task writes a disjoint set of elements (distinct output columns / rows).
 unsafe impl<T: Send> Send for SyncPtr<T> {}
 // SAFETY: as above.
@@ -648,7 +658,7 @@ unsafe impl<T: Send> Sync for SyncPtr<T> {}
 
 impl<T> SyncPtr<T> {
     /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    pub(crate) fn get(self) -> *mut T {
+    pub fn get(self) -> *mut T {
         self.0
     }
 }
