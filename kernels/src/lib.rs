@@ -30,6 +30,7 @@ pub mod quant;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 pub mod team;
+pub mod window_attention;
 
 pub use device::{DeviceError, select_device};
 pub use error::{Error, Result};
