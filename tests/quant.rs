@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use deco_quant::awq::{act_mean_abs, apply_clip, scaled_fake_quant, search_clip, search_scale};
+use deco_quant::awq::{ScaleCandidate, act_mean_abs, apply_clip, scaled_fake_quant, search_clip, search_scale};
 use deco_quant::gptq::{GptqConfig, Hessian, gptq_quantize};
 use deco_quant::nf4::{NF4_CODE, Nf4Tensor, dynamic_map};
 use deco_quant::scheme::{Granularity, Scheme, absmax_int8_rows, dequantize_value, find_params, find_params_mse, quantize_rtn, quantize_value};
@@ -538,8 +538,8 @@ fn methods_beat_rtn_on_planted_outliers() {
     // AWQ W4 per-channel: scale search with the layer output as the block, then clipping.
     let xm = act_mean_abs(&x, tokens, cols);
     let org = matmul_abt(&x, &w, tokens, cols, rows);
-    let mut loss = |qs: &[Vec<f32>]| -> deco_quant::Result<f64> {
-        let o = matmul_abt(&x, &qs[0], tokens, cols, rows);
+    let mut loss = |cand: &ScaleCandidate<'_>| -> deco_quant::Result<f64> {
+        let o = matmul_abt(&x, &cand.weight(0), tokens, cols, rows);
         Ok(o.iter().zip(&org).map(|(a, b)| (a - b).powi(2)).sum::<f64>() / o.len() as f64)
     };
     let s = search_scale(&xm, &[(&w, rows)], cols, &scheme, 20, &mut loss).unwrap();
@@ -593,6 +593,41 @@ fn methods_beat_rtn_on_planted_outliers() {
         let b = matmul_abt(&quant_act_per_token(&x, tokens, cols, Some(&mask)), &w8, tokens, cols, rows);
         let int8 = a.iter().zip(&b).map(|(p, q)| (p - q).powi(2)).sum::<f64>();
         assert!(int8 < naive, "llm.int8 {int8} naive w8a8 {naive}");
+    }
+}
+
+/// The scale search's candidates, computed row by row, are bit for bit the whole-matrix
+/// `Q(W·diag(s))·diag(s)⁻¹` of `scaled_fake_quant` (per group, dividing and ragged; per
+/// channel; per tensor; symmetric and not; 2 to 8 bits; zeros and a NaN), for every grid point.
+#[test]
+fn awq_scale_candidates_rows_equal_the_whole_matrix() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let (cols, tokens) = (80, 16);
+    let x = randn(&mut rng, tokens * cols);
+    let xm = act_mean_abs(&x, tokens, cols);
+    let (mut w1, mut w2) = (randn(&mut rng, 24 * cols), randn(&mut rng, 7 * cols));
+    // Signed zeros, a whole zero group and a NaN take the edge paths of the range.
+    w1[5] = 0.0;
+    w1[6] = -0.0;
+    w1[2 * cols..2 * cols + 16].fill(0.0);
+    w2[3] = f32::NAN;
+    let weights: [(&[f32], usize); 2] = [(&w1, 24), (&w2, 7)];
+    for granularity in [Granularity::PerGroup(16), Granularity::PerGroup(32), Granularity::PerGroup(128), Granularity::PerChannel, Granularity::PerTensor] {
+        for (bits, sym) in [(2, false), (3, true), (4, false), (4, true), (8, false)] {
+            let scheme = Scheme { bits, sym, granularity };
+            let mut seen = 0;
+            let mut check = |cand: &ScaleCandidate<'_>| -> deco_quant::Result<f64> {
+                for (i, &(w, rows)) in weights.iter().enumerate() {
+                    let want = scaled_fake_quant(w, rows, cols, cand.scales, &scheme).unwrap();
+                    let got = cand.weight(i);
+                    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{scheme:?}, weight {i}");
+                }
+                seen += 1;
+                Ok(seen as f64)
+            };
+            search_scale(&xm, &weights, cols, &scheme, 5, &mut check).unwrap();
+            assert_eq!(seen, 5);
+        }
     }
 }
 

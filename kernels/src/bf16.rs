@@ -76,7 +76,7 @@ fn pair(lo: f32, hi: f32) -> u32 {
 /// rounded to bf16 and packed for [`matmul`]: strips of 32 output columns, each strip
 /// `[inner / 2][32]` pairs (element `(p, j)` holds `w[2p, j]` low and `w[2p + 1, j]` high), zero
 /// past `out` and, for an odd `inner`, past the last row.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PackedBf16 {
     /// Input features.
     pub inner: usize,
@@ -119,6 +119,29 @@ impl PackedBf16 {
             }
         });
         Ok(Self { inner, out, data })
+    }
+
+    /// Packs the weight whose output row `o` (`[inner]`, the `[out, inner]` layout of a
+    /// checkpoint's linear) `row(o, buf)` writes into `buf`: the same packing as [`Self::new`] of
+    /// the transposed matrix, without an f32 copy of the whole weight. The strips are built in
+    /// parallel, so `row` is called concurrently, once per output row, in no fixed order. For
+    /// weights computed row by row (AWQ's scale candidates).
+    pub fn from_rows(inner: usize, out: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> Self {
+        let kp = inner.div_ceil(2);
+        let strips = out.div_ceil(NR);
+        let mut data = vec![0u32; strips * kp * NR];
+        crate::team::par_chunks_mut(&mut data, (kp * NR).max(1), |s, strip| {
+            let mut buf = vec![0.0f32; inner];
+            let mut pairs = vec![0u32; kp];
+            for j in 0..NR.min(out - s * NR) {
+                row(s * NR + j, &mut buf);
+                convert_pairs(&buf, None, &mut pairs);
+                for (p, &v) in pairs.iter().enumerate() {
+                    strip[p * NR + j] = v;
+                }
+            }
+        });
+        Self { inner, out, data }
     }
 
     /// The weight as the products see it, `[inner, out]` f32 (each value rounded to bf16).

@@ -183,18 +183,22 @@ impl RopeTable {
         if heads == 0 || d == 0 {
             return Ok(true);
         }
-        for (rows, &p) in x.chunks_mut(heads * d).zip(positions) {
-            let (c, s) = (&cos[p * d..(p + 1) * d], &sin[p * d..(p + 1) * d]);
-            for h in rows.chunks_mut(d) {
-                let (x1, x2) = h.split_at_mut(half);
-                for i in 0..half {
-                    let (a, b) = (x1[i], x2[i]);
-                    // rotate_half(x) = [-x2, x1]
-                    x1[i] = a * c[i] + (-b) * s[i];
-                    x2[i] = b * c[half + i] + a * s[half + i];
+        // Blocks of tokens in parallel (each value is rotated on its own: the same bits).
+        const TOKENS: usize = 256;
+        crate::team::par_chunks_mut(x, TOKENS * heads * d, |ci, block| {
+            for (rows, &p) in block.chunks_mut(heads * d).zip(&positions[ci * TOKENS..]) {
+                let (c, s) = (&cos[p * d..(p + 1) * d], &sin[p * d..(p + 1) * d]);
+                for h in rows.chunks_mut(d) {
+                    let (x1, x2) = h.split_at_mut(half);
+                    for i in 0..half {
+                        let (a, b) = (x1[i], x2[i]);
+                        // rotate_half(x) = [-x2, x1]
+                        x1[i] = a * c[i] + (-b) * s[i];
+                        x2[i] = b * c[half + i] + a * s[half + i];
+                    }
                 }
             }
-        }
+        });
         Ok(true)
     }
 

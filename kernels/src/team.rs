@@ -182,13 +182,13 @@ pub fn with_team<R>(f: impl FnOnce() -> R) -> R {
 /// `f(i)` for `i in 0..tasks`, in parallel: on this thread's team inside [`with_team`], else on
 /// the current rayon pool. Returns when all tasks are done.
 pub fn par_for(tasks: usize, f: impl Fn(usize) + Sync) {
+    if tasks <= 1 {
+        (0..tasks).for_each(f);
+        return;
+    }
     let team = TEAM.with(Cell::get);
     if team.is_null() || tasks > MAX_TASKS {
         (0..tasks).into_par_iter().for_each(&f);
-        return;
-    }
-    if tasks <= 1 {
-        (0..tasks).for_each(f);
         return;
     }
     // While the job runs, a kernel called from one of its tasks on this thread goes to rayon.
@@ -222,9 +222,40 @@ pub fn par_chunks_mut<T: Send>(data: &mut [T], chunk: usize, f: impl Fn(usize, &
     });
 }
 
+/// `len` default values (zeros), written in parallel chunks when `len` is large: the output
+/// buffers of the calibration products (up to hundreds of MB) are zeroed by every thread at
+/// once instead of by the calling thread while the others wait. Small buffers are a plain
+/// `vec!` (a fresh `calloc` needs no writes at all).
+pub fn zeroed<T: Copy + Default + Send>(len: usize) -> Vec<T> {
+    const PARALLEL_FROM: usize = 1 << 20;
+    const CHUNK: usize = 1 << 16;
+    if len < PARALLEL_FROM {
+        return vec![T::default(); len];
+    }
+    let mut v: Vec<T> = Vec::with_capacity(len);
+    par_chunks_mut(&mut v.spare_capacity_mut()[..len], CHUNK, |_, chunk| {
+        for x in chunk {
+            x.write(T::default());
+        }
+    });
+    // SAFETY: the `len` elements of the spare capacity were all written above (the chunks cover
+    // them, each written by exactly one task).
+    unsafe { v.set_len(len) };
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zeroed_is_all_default() {
+        for len in [0usize, 5, (1 << 20) + 3] {
+            let v: Vec<f32> = zeroed(len);
+            assert_eq!(v.len(), len);
+            assert!(v.iter().all(|x| x.to_bits() == 0));
+        }
+    }
 
     /// Every task runs exactly once, with and without a team, nested calls included.
     #[test]

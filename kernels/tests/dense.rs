@@ -234,6 +234,24 @@ fn bf16_packing_keeps_the_rounded_weight() {
     assert!(matches!(PackedBf16::new(&w, inner, out + 1), Err(Error::Length { .. })));
 }
 
+/// Packing from `[out, inner]` rows gives the same packed weight (padding included) as packing
+/// the transposed matrix, for odd and even inner sizes and partial strips.
+#[test]
+fn bf16_packing_from_rows_equals_packing_the_transpose() {
+    for (inner, out) in [(1, 1), (2, 31), (7, 45), (64, 32), (129, 70), (576, 97)] {
+        let rows = values(inner as u64 * 31 + out as u64, inner * out);
+        let mut t = vec![0.0f32; inner * out];
+        for o in 0..out {
+            for i in 0..inner {
+                t[i * out + o] = rows[o * inner + i];
+            }
+        }
+        let want = PackedBf16::new(&t, inner, out).expect("pack");
+        let got = PackedBf16::from_rows(inner, out, |o, buf| buf.copy_from_slice(&rows[o * inner..(o + 1) * inner]));
+        assert_eq!(got, want, "inner {inner}, out {out}");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
 

@@ -304,14 +304,36 @@ impl Calibrator {
     /// them).
     pub fn upload_replacing(&self, base: &DecoderLayer, w: &LayerWeights, parts: &[(Linear, &[f32])]) -> DecoderLayer {
         let cfg = &self.cfg;
+        let replaced: Vec<Linear> = parts.iter().map(|p| p.0).collect();
+        self.upload_rows(base, w, &replaced, &|l, r, buf| {
+            let cols = l.dims(cfg).1;
+            let p = parts.iter().find(|p| p.0 == l).map_or_else(|| w.linear(l), |p| p.1);
+            buf.copy_from_slice(&p[r * cols..(r + 1) * cols]);
+        })
+    }
+
+    /// [`Calibrator::upload_replacing`] with the replaced linears given row by row:
+    /// `row(l, r, buf)` writes row `r` (`[in]`) of linear `l` ∈ `replaced` into `buf`. It is
+    /// called concurrently, once per row; under [`CalibDtype::Bf16`] the rows go straight into
+    /// the packed bf16 weight ([`LinearWeight::dense_fused_rows_as`]), so a candidate computed
+    /// row by row (AWQ's scaled and quantized weights) is never held as a whole f32 matrix.
+    pub fn upload_rows(&self, base: &DecoderLayer, w: &LayerWeights, replaced: &[Linear], row: &(dyn Fn(Linear, usize, &mut [f32]) + Sync)) -> DecoderLayer {
+        let cfg = &self.cfg;
         let d = &self.device;
-        let get = |l: Linear| -> &[f32] { parts.iter().find(|p| p.0 == l).map_or_else(|| w.linear(l), |p| p.1) };
         let fused = |ls: &[Linear], old: &LinearWeight| -> LinearWeight {
-            if !ls.iter().any(|l| parts.iter().any(|p| p.0 == *l)) {
+            if !ls.iter().any(|l| replaced.contains(l)) {
                 return old.clone();
             }
-            let ws: Vec<(&[f32], usize)> = ls.iter().map(|&l| (get(l), l.dims(cfg).0)).collect();
-            LinearWeight::dense_fused_as(&ws, ls[0].dims(cfg).1, d, self.dtype == CalibDtype::Bf16)
+            let outs: Vec<usize> = ls.iter().map(|l| l.dims(cfg).0).collect();
+            let inner = ls[0].dims(cfg).1;
+            LinearWeight::dense_fused_rows_as(&outs, inner, d, self.dtype == CalibDtype::Bf16, &|i, r, buf| {
+                let l = ls[i];
+                if replaced.contains(&l) {
+                    row(l, r, buf);
+                } else {
+                    buf.copy_from_slice(&w.linear(l)[r * inner..(r + 1) * inner]);
+                }
+            })
         };
         DecoderLayer {
             attn_norm: base.attn_norm.clone(),

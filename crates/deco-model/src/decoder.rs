@@ -164,10 +164,12 @@ pub struct WindowAttention<'a> {
 }
 
 impl WindowAttention<'_> {
-    /// The fused CPU kernel over every window at once: token `j` of a window is a decode query
-    /// over the window's first `j + 1` keys (one [`deco_kernels::attention::paged_decode_attention`]
-    /// call reading the token matrix in place, parallel over all tokens of all windows; the
-    /// prefill of [`crate::Llama`] computes causal attention the same way).
+    /// The fused CPU kernel over every window at once, reading the token matrix in place:
+    /// [`deco_kernels::window_attention::causal_window_attention`] (blocks of 32 queries against
+    /// tiles of 32 keys) where the CPU runs it (AVX2 + FMA, `head_dim` a multiple of 8); else
+    /// token `j` of a window is a decode query over the window's first `j + 1` keys (one
+    /// [`deco_kernels::attention::paged_decode_attention`] call, parallel over all tokens of all
+    /// windows, as the prefill of [`crate::Llama`] computes causal attention).
     fn attend_host(&self, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>) -> Result<Tensor<2>> {
         use deco_kernels::attention::{AttnShape, SeqKv, paged_decode_attention};
         let [n, heads, hd] = q.dims();
@@ -175,9 +177,18 @@ impl WindowAttention<'_> {
         let kvrow = kvh * hd;
         let device = q.device();
         let table = [0u32];
-        let mut out = vec![0.0f32; n * heads * hd];
+        let mut out = deco_kernels::team::zeroed(n * heads * hd);
         // The three inputs borrowed in place where the CPU device allows it (`with_host`).
         use crate::host::with_host;
+        let shape = AttnShape { n_heads: heads, kv_heads: kvh, head_dim: hd };
+        if deco_kernels::window_attention::supported(shape) {
+            // Blocks of queries against tiles of keys (FlashAttention-style), where the CPU runs it.
+            let attended = with_host(&q, |qh| {
+                with_host(&k, |kh| with_host(&v, |vh| deco_kernels::window_attention::causal_window_attention(qh, kh, vh, shape, self.spans, &mut out)))
+            });
+            attended.and_then(|r| r).and_then(|r| r)?.map_err(|e| Error::InvalidInput(format!("window attention: {e}")))?;
+            return Ok(Tensor::from_data(TensorData::new(out, [n, heads * hd]), &device));
+        }
         let attended = with_host(&q, |qh| {
             with_host(&k, |kh| {
                 with_host(&v, |vh| {
@@ -265,13 +276,21 @@ impl Pass<'_> {
             // on the host (the same bits as the tensor ops below, see `RopeTable::apply_host`).
             let positions: Vec<usize> = self.positions.to_data().iter::<i64>().map(|p| usize::try_from(p).unwrap_or(usize::MAX)).collect();
             let split = crate::host::with_host(&qkv, |h| {
-                let (mut q, mut k, mut v) = (Vec::with_capacity(n * qd), Vec::with_capacity(n * kvd), Vec::with_capacity(n * kvd));
-                for row in h.chunks(qd + 2 * kvd) {
-                    q.extend_from_slice(&row[..qd]);
-                    k.extend_from_slice(&row[qd..qd + kvd]);
-                    v.extend_from_slice(&row[qd + kvd..]);
-                }
-                (q, k, v)
+                // Each of q, k, v gathered from its columns of the fused rows, blocks of rows in
+                // parallel (the calibration passes split tens of thousands of rows).
+                let row = qd + 2 * kvd;
+                let part = |c0: usize, w: usize| -> Vec<f32> {
+                    const ROWS: usize = 256;
+                    let mut out = deco_kernels::team::zeroed(n * w);
+                    deco_kernels::team::par_chunks_mut(&mut out, ROWS * w.max(1), |i, chunk| {
+                        for (r, dst) in chunk.chunks_exact_mut(w.max(1)).enumerate() {
+                            let t = i * ROWS + r;
+                            dst.copy_from_slice(&h[t * row + c0..t * row + c0 + w]);
+                        }
+                    });
+                    out
+                };
+                (part(0, qd), part(qd, kvd), part(qd + kvd, kvd))
             })?;
             let (mut q, mut k, v) = split;
             let rope_err = |e: deco_kernels::Error| Error::InvalidInput(format!("rope: {e}"));
@@ -312,7 +331,7 @@ impl Pass<'_> {
         let device = gu.device();
         if device == Device::flex() && !device.is_autodiff() {
             // On the CPU without autodiff: the fused host SwiGLU (one pass, vectorized exp).
-            let mut h = vec![0.0f32; n * i];
+            let mut h = deco_kernels::team::zeroed(n * i);
             crate::host::with_host(&gu, |host| deco_kernels::act::swiglu(host, n, i, &mut h))?.map_err(|e| Error::InvalidInput(format!("swiglu: {e}")))?;
             return Ok(Tensor::from_data(TensorData::new(h, [n, i]), &device));
         }
@@ -351,9 +370,10 @@ impl Pass<'_> {
 pub enum LinearWeight {
     /// f32 on the device, transposed: `[in, out]` (`y = x @ w`).
     Dense(Tensor<2>),
-    /// f32 on the host, transposed: `[in, out]` row-major, multiplied by
+    /// Dense on the host, transposed: `[in, out]`, f32 row-major multiplied by
     /// [`deco_kernels::dense::matmul`] (the CPU device without autodiff: a streaming kernel at
-    /// few tokens instead of `gemm`'s packing).
+    /// few tokens instead of `gemm`'s packing), or bf16-packed for the calibration passes
+    /// ([`HostWeights`]).
     Host(Arc<HostDense>),
     /// GGUF blocks on the host, `[out, in]`, multiplied by the packed CPU kernels of
     /// [`deco_kernels::quant`] (the activations go to the host and back).
@@ -382,10 +402,10 @@ impl LinearWeight {
             LinearWeight::Host(w) => {
                 let [n, _] = x.dims();
                 let device = x.device();
-                let mut y = vec![0.0f32; n * w.out];
-                crate::host::with_host(&x, |xs| match &w.bf16 {
-                    Some(p) if n > deco_kernels::dense::SMALL_N => deco_kernels::bf16::matmul(xs, n, p, &mut y),
-                    _ => deco_kernels::dense::matmul(xs, n, &w.data, w.inner, w.out, &mut y),
+                let mut y = deco_kernels::team::zeroed(n * w.out);
+                crate::host::with_host(&x, |xs| match &w.weights {
+                    HostWeights::Bf16(p) => deco_kernels::bf16::matmul(xs, n, p, &mut y),
+                    HostWeights::F32(data) => deco_kernels::dense::matmul(xs, n, data, w.inner, w.out, &mut y),
                 })?
                 .map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, w.out]), &device))
@@ -393,7 +413,7 @@ impl LinearWeight {
             LinearWeight::Packed(m) => {
                 let [n, _] = x.dims();
                 let device = x.device();
-                let mut y = vec![0.0f32; n * m.rows()];
+                let mut y = deco_kernels::team::zeroed(n * m.rows());
                 crate::host::with_host(&x, |xs| m.matmul(xs, n, &mut y))?.map_err(|e| Error::InvalidInput(e.to_string()))?;
                 Ok(Tensor::from_data(TensorData::new(y, [n, m.rows()]), &device))
             }
@@ -401,7 +421,7 @@ impl LinearWeight {
                 let [n, _] = x.dims();
                 let device = x.device();
                 let total: usize = parts.iter().map(PackedMatrix::rows).sum();
-                let mut y = vec![0.0f32; n * total];
+                let mut y = deco_kernels::team::zeroed(n * total);
                 crate::host::with_host(&x, |xs| -> deco_kernels::Result<()> {
                     let (mut off, mut part) = (0, Vec::new());
                     for m in parts.iter() {
@@ -432,7 +452,13 @@ impl LinearWeight {
     pub fn dense_transposed(&self, device: &Device) -> Result<Tensor<2>> {
         match self {
             LinearWeight::Dense(w) => Ok(w.clone()),
-            LinearWeight::Host(w) => Ok(Tensor::from_data(TensorData::new(w.data.clone(), [w.inner, w.out]), device)),
+            LinearWeight::Host(w) => {
+                let data = match &w.weights {
+                    HostWeights::F32(data) => data.clone(),
+                    HostWeights::Bf16(p) => p.unpack(),
+                };
+                Ok(Tensor::from_data(TensorData::new(data, [w.inner, w.out]), device))
+            }
             LinearWeight::Packed(m) => {
                 let t = crate::host::transpose(&m.dequantize(), m.rows(), m.cols());
                 Ok(Tensor::from_data(TensorData::new(t, [m.cols(), m.rows()]), device))
@@ -500,34 +526,92 @@ impl LinearWeight {
         Self::dense_fused_as(parts, inner, device, false)
     }
 
-    /// [`LinearWeight::dense_fused`], with `bf16` also packed for bf16 products on the host
-    /// ([`HostDense::bf16`]); `bf16` is ignored off the host (the caller checks
+    /// [`LinearWeight::dense_fused`], or with `bf16` on the host the same weight rounded to
+    /// bf16 and packed for bf16 products ([`HostWeights::Bf16`], straight from the `[out_i,
+    /// inner]` rows); `bf16` is ignored off the host (the caller checks
     /// [`deco_kernels::bf16::available`] and the device first, see
     /// [`crate::calibrate::Calibrator::with_dtype`]).
     pub fn dense_fused_as(parts: &[(&[f32], usize)], inner: usize, device: &Device, bf16: bool) -> Self {
+        if bf16 && Self::host_dense(device) {
+            let outs: Vec<usize> = parts.iter().map(|p| p.1).collect();
+            return Self::dense_fused_rows_as(&outs, inner, device, true, &|i, r, buf| buf.copy_from_slice(&parts[i].0[r * inner..(r + 1) * inner]));
+        }
         let total: usize = parts.iter().map(|p| p.1).sum();
         let fused = crate::host::fuse_transposed(parts, inner);
-        if *device == Device::flex() && !device.is_autodiff() {
-            let packed = bf16.then(|| deco_kernels::bf16::PackedBf16::new(&fused, inner, total).ok()).flatten();
-            return LinearWeight::Host(Arc::new(HostDense { data: fused, inner, out: total, bf16: packed }));
+        if Self::host_dense(device) {
+            return LinearWeight::Host(Arc::new(HostDense { inner, out: total, weights: HostWeights::F32(fused) }));
         }
         LinearWeight::Dense(Tensor::from_data(TensorData::new(fused, [inner, total]), device))
     }
+
+    /// [`LinearWeight::dense_fused_as`] of weights given row by row: part `i` has `outs[i]`
+    /// output rows, and `row(i, r, buf)` writes row `r` of part `i` (`[inner]`, the
+    /// `[out_i, inner]` layout) into `buf`. `row` is called concurrently, once per row. With
+    /// `bf16` on the host the rows go straight into the packed bf16 weight
+    /// ([`deco_kernels::bf16::PackedBf16::from_rows`]) without an f32 copy of the whole weight;
+    /// otherwise they are collected first. For weights computed row by row (AWQ's scale
+    /// candidates, see `deco_quant::awq`).
+    pub fn dense_fused_rows_as(outs: &[usize], inner: usize, device: &Device, bf16: bool, row: &(dyn Fn(usize, usize, &mut [f32]) + Sync)) -> Self {
+        let total: usize = outs.iter().sum();
+        if bf16 && Self::host_dense(device) {
+            // Output o of the fused weight is row o - start_i of the part i it falls in.
+            let part_of = |o: usize| -> (usize, usize) {
+                let mut start = 0;
+                for (i, &n) in outs.iter().enumerate() {
+                    if o < start + n {
+                        return (i, o - start);
+                    }
+                    start += n;
+                }
+                unreachable!("PackedBf16::from_rows asks for rows below the total only")
+            };
+            let packed = deco_kernels::bf16::PackedBf16::from_rows(inner, total, |o, buf| {
+                let (i, r) = part_of(o);
+                row(i, r, buf);
+            });
+            return LinearWeight::Host(Arc::new(HostDense { inner, out: total, weights: HostWeights::Bf16(packed) }));
+        }
+        let mats: Vec<Vec<f32>> = outs
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let mut m = vec![0.0f32; n * inner];
+                deco_kernels::team::par_chunks_mut(&mut m, inner.max(1), |r, buf| row(i, r, buf));
+                m
+            })
+            .collect();
+        let parts: Vec<(&[f32], usize)> = mats.iter().zip(outs).map(|(m, &n)| (m.as_slice(), n)).collect();
+        Self::dense_fused_as(&parts, inner, device, false)
+    }
+
+    /// Whether dense weights for `device` live on the host ([`LinearWeight::Host`]): the CPU
+    /// device without autodiff.
+    fn host_dense(device: &Device) -> bool {
+        *device == Device::flex() && !device.is_autodiff()
+    }
 }
 
-/// A dense f32 weight on the host for [`LinearWeight::Host`].
+/// A dense weight on the host for [`LinearWeight::Host`], `[inner, out]`.
 #[derive(Debug, Clone)]
 pub struct HostDense {
-    /// `[inner, out]` row-major.
-    pub data: Vec<f32>,
     /// Input features.
     pub inner: usize,
     /// Output features.
     pub out: usize,
-    /// The same weight packed for bf16 products ([`deco_kernels::bf16`]): when present, calls of
-    /// more than [`deco_kernels::dense::SMALL_N`] tokens multiply bf16-rounded activations by
-    /// it (the calibration passes of [`crate::calibrate::CalibDtype::Bf16`]).
-    pub bf16: Option<deco_kernels::bf16::PackedBf16>,
+    /// The values, in the precision of the products.
+    pub weights: HostWeights,
+}
+
+/// The values of a [`HostDense`] weight, in the precision its products run in.
+#[derive(Debug, Clone)]
+pub enum HostWeights {
+    /// `[inner, out]` row-major f32, multiplied by [`deco_kernels::dense::matmul`] (a streaming
+    /// kernel at few tokens, deco's tile beyond).
+    F32(Vec<f32>),
+    /// Rounded to bf16 and packed for [`deco_kernels::bf16::matmul`] (bf16-rounded activations,
+    /// f32 sums) in every call: the calibration passes of
+    /// [`crate::calibrate::CalibDtype::Bf16`]. No f32 copy is kept.
+    Bf16(deco_kernels::bf16::PackedBf16),
 }
 
 /// One decoder layer's weights as the model runs them: norms on the device, Q/K/V and gate/up

@@ -13,11 +13,24 @@ use crate::{Error, Result};
 /// Per-input-channel mean absolute activation `mean_t |x[t, j]|` (llm-awq `get_act_scale`).
 ///
 /// `x` is `[tokens, cols]`; returns `[cols]`.
+///
+/// Blocks of tokens are summed in parallel (f64 partial sums per block, added in block order),
+/// so the means are those of one f64 pass up to f64 rounding.
 pub fn act_mean_abs(x: &[f32], tokens: usize, cols: usize) -> Vec<f32> {
+    const TOKENS: usize = 512;
+    let blocks = tokens.div_ceil(TOKENS);
+    let mut partial = vec![0.0f64; blocks * cols];
+    deco_kernels::team::par_chunks_mut(&mut partial, cols.max(1), |b, acc| {
+        for t in b * TOKENS..((b + 1) * TOKENS).min(tokens) {
+            for (a, &v) in acc.iter_mut().zip(&x[t * cols..(t + 1) * cols]) {
+                *a += v.abs() as f64;
+            }
+        }
+    });
     let mut acc = vec![0.0f64; cols];
-    for t in 0..tokens {
-        for (a, &v) in acc.iter_mut().zip(&x[t * cols..(t + 1) * cols]) {
-            *a += v.abs() as f64;
+    for p in partial.chunks_exact(cols.max(1)) {
+        for (a, v) in acc.iter_mut().zip(p) {
+            *a += v;
         }
     }
     acc.iter().map(|&a| (a / tokens.max(1) as f64) as f32).collect()
@@ -67,10 +80,57 @@ pub struct ScaleSearch {
     pub losses: Vec<f64>,
 }
 
+/// One grid point of [`search_scale`]: every weight sharing the input as
+/// `Q(W · diag(s)) · diag(s)⁻¹` ([`scaled_fake_quant`]), computed row by row on request, so that
+/// the block loss can pack each row straight into the layout its products use (deco's
+/// calibrator packs bf16 weights from rows) instead of holding f32 copies of the candidate.
+pub struct ScaleCandidate<'a> {
+    /// The scales `s` (`[cols]`).
+    pub scales: &'a [f32],
+    weights: &'a [(&'a [f32], usize)],
+    cols: usize,
+    scheme: &'a Scheme,
+    /// Per-tensor schemes have one range for the whole matrix, so their rows are not
+    /// independent: the candidate is computed whole once.
+    whole: Option<Vec<Vec<f32>>>,
+}
+
+impl ScaleCandidate<'_> {
+    /// Writes row `r` (`[cols]`) of weight `i` (the order of [`search_scale`]'s `weights`) into
+    /// `out`: the values [`scaled_fake_quant`] gives, bit for bit. May be called concurrently.
+    ///
+    /// # Panics
+    /// If `i` or `r` is out of range or `out.len() != cols`.
+    pub fn row(&self, i: usize, r: usize, out: &mut [f32]) {
+        let c = self.cols;
+        match &self.whole {
+            Some(ws) => out.copy_from_slice(&ws[i][r * c..(r + 1) * c]),
+            None => {
+                let gs = match self.scheme.granularity {
+                    Granularity::PerGroup(g) => g,
+                    _ => c,
+                };
+                out.copy_from_slice(&self.weights[i].0[r * c..(r + 1) * c]);
+                crate::scheme::scaled_fake_quant_row(out, self.scales, gs, self.scheme.bits, self.scheme.sym);
+            }
+        }
+    }
+
+    /// Weight `i` whole (`[rows_i, cols]`).
+    pub fn weight(&self, i: usize) -> Vec<f32> {
+        let (c, rows) = (self.cols, self.weights[i].1);
+        let mut w = vec![0.0f32; rows * c];
+        for (r, out) in w.chunks_exact_mut(c.max(1)).enumerate() {
+            self.row(i, r, out);
+        }
+        w
+    }
+}
+
 /// Grid search of the AWQ scale exponent (llm-awq `_search_module_scale`): for
 /// `r = 0, 1/n_grid, …, (n_grid-1)/n_grid`, quantize every weight sharing the input with
-/// [`scaled_fake_quant`] and evaluate `block_loss` (the block's output MSE against the
-/// original); keep the best `r`.
+/// [`scaled_fake_quant`] ([`ScaleCandidate`], row by row) and evaluate `block_loss` (the
+/// block's output MSE against the original); keep the best `r`.
 ///
 /// `weights` are `(data, rows)` pairs of `[rows, cols]` matrices.
 ///
@@ -82,7 +142,7 @@ pub fn search_scale(
     cols: usize,
     scheme: &Scheme,
     n_grid: usize,
-    block_loss: &mut dyn FnMut(&[Vec<f32>]) -> Result<f64>,
+    block_loss: &mut dyn FnMut(&ScaleCandidate<'_>) -> Result<f64>,
 ) -> Result<ScaleSearch> {
     if n_grid == 0 {
         return Err(crate::invalid("n_grid", "must be positive"));
@@ -90,13 +150,23 @@ pub fn search_scale(
     if x_mean.len() != cols {
         return Err(Error::Shape(format!("{} activation means for {cols} input features", x_mean.len())));
     }
+    check_bits(scheme.bits)?;
+    if scheme.granularity == Granularity::PerGroup(0) {
+        return Err(crate::invalid("group_size", "must be positive"));
+    }
+    if let Some((w, rows)) = weights.iter().find(|(w, rows)| w.len() != rows * cols) {
+        return Err(Error::Shape(format!("{} values for a {rows}x{cols} weight", w.len())));
+    }
     let mut best: Option<(f64, f64, Vec<f32>)> = None;
     let mut losses = Vec::with_capacity(n_grid);
     for i in 0..n_grid {
         let ratio = i as f64 / n_grid as f64;
         let s = scales_for_ratio(x_mean, ratio);
-        let qs = weights.iter().map(|(w, rows)| scaled_fake_quant(w, *rows, cols, &s, scheme)).collect::<Result<Vec<_>>>()?;
-        let loss = block_loss(&qs)?;
+        let whole = match scheme.granularity {
+            Granularity::PerTensor => Some(weights.iter().map(|(w, rows)| scaled_fake_quant(w, *rows, cols, &s, scheme)).collect::<Result<Vec<_>>>()?),
+            _ => None,
+        };
+        let loss = block_loss(&ScaleCandidate { scales: &s, weights, cols, scheme, whole })?;
         losses.push(loss);
         if best.as_ref().is_none_or(|b| loss < b.0) {
             best = Some((loss, ratio, s));
@@ -167,18 +237,21 @@ pub fn search_clip(
                 let mut best_err = vec![f64::INFINITY; rows];
                 let mut best = vec![0.0f32; rows];
                 let mut dg = vec![0.0f32; rows * gs];
+                let mut d = vec![0.0f32; rows * gs];
+                let ones = vec![1.0f32; gs];
                 for i in 0..steps {
                     let f = 1.0 - i as f32 / n_grid as f32;
-                    let mut clamped = wg.clone();
-                    for r in 0..rows {
-                        let m = org_max[r] * f;
-                        for v in &mut clamped[r * gs..(r + 1) * gs] {
-                            *v = v.clamp(-m, m);
+                    // d_r = Q(clamp(w_r, ±m_r)) − w_r, one row at a time (the values of
+                    // `fake_quant_ragged` of the clamped rows, per channel).
+                    for ((dr, wr), &om) in d.chunks_exact_mut(gs).zip(wg.chunks_exact(gs)).zip(&org_max) {
+                        let m = om * f;
+                        for (dv, &wv) in dr.iter_mut().zip(wr) {
+                            *dv = wv.clamp(-m, m);
                         }
-                    }
-                    let mut d = fake_quant_ragged(&clamped, rows, gs, &row_scheme)?;
-                    for (dv, &wv) in d.iter_mut().zip(&wg) {
-                        *dv -= wv;
+                        crate::scheme::scaled_fake_quant_row(dr, &ones, gs, row_scheme.bits, row_scheme.sym);
+                        for (dv, &wv) in dr.iter_mut().zip(wr) {
+                            *dv -= wv;
+                        }
                     }
                     // dg = d · G (G is symmetric, so it is its own `[in, out]` layout).
                     deco_kernels::dense::matmul(&d, rows, &gram, gs, gs, &mut dg).expect("d is rows × gs, G gs × gs");

@@ -25,7 +25,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Tensor, TensorData};
 use deco_formats::config::ModelConfig;
 use deco_model::calibrate::{CalibDtype, Calibrator, LayerWeights, Linear, Site};
 use deco_model::decoder::DecoderLayer;
@@ -33,7 +33,7 @@ use deco_model::host::{to_host, with_host};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::awq::{AwqConfig, act_mean_abs, apply_clip, search_clip, search_scale};
+use crate::awq::{AwqConfig, ScaleCandidate, act_mean_abs, apply_clip, search_clip, search_scale};
 use crate::gptq::{GptqConfig, Hessian, gptq_quantize};
 use crate::nf4::Nf4Tensor;
 use crate::scheme::{Granularity, QuantizedTensor, Scheme, absmax_int8_rows, check_bits, quantize_rtn_ragged};
@@ -234,17 +234,14 @@ fn div_rows(w: &mut [f32], cols: usize, s: &[f32]) {
     }
 }
 
-/// Every `step`-th token row of `[tokens, cols]` `x`, divided column-wise by `s` (if given).
-fn subsample(x: &[f32], tokens: usize, cols: usize, want: usize, s: Option<&[f32]>) -> (Vec<f32>, usize) {
+/// Every `step`-th token row of `[tokens, cols]` `x` (`step = max(tokens / want, 1)`, llm-awq
+/// `auto_clip_layer`'s even subsampling) and their count.
+fn subsample(x: &[f32], tokens: usize, cols: usize, want: usize) -> (Vec<f32>, usize) {
     let step = (tokens / want.max(1)).max(1);
     let mut out = Vec::new();
     let mut n = 0;
     for t in (0..tokens).step_by(step) {
-        let row = &x[t * cols..(t + 1) * cols];
-        match s {
-            Some(s) => out.extend(row.iter().zip(s).map(|(v, f)| v / f)),
-            None => out.extend_from_slice(row),
-        }
+        out.extend_from_slice(&x[t * cols..(t + 1) * cols]);
         n += 1;
     }
     (out, n)
@@ -267,51 +264,63 @@ fn awq_layer(
     let n = c.tokens();
     let (hid, inter) = (cfg.hidden_size, cfg.intermediate_size);
     let qd = Linear::O.dims(cfg).1;
-    let xn_h = to_host(st.xn.clone())?;
-    let xn2_h = to_host(st.xn2.clone())?;
-    let att_h = to_host(st.att.clone())?;
-    let h_h = to_host(st.h.clone())?;
-    // The block losses run on the first `search_windows` windows (`sub`), the statistics on all.
-    let m = sub.tokens();
-    let rows_of = |t: &Tensor<2>| -> Tensor<2> {
-        let [_, d] = t.dims();
-        t.clone().slice([0..m, 0..d])
+    // The statistics (`mean|x|` over all tokens) and the clipping samples read the stage
+    // activations in place; the block losses run on the first `search_windows` windows (`sub`),
+    // copied out once.
+    let stat = |t: &Tensor<2>| -> Result<(Vec<f32>, Vec<f32>, usize)> {
+        let [_, cols] = t.dims();
+        Ok(with_host(t, |h| {
+            let (xs, k) = subsample(h, n, cols, a.clip_tokens);
+            (act_mean_abs(h, n, cols), xs, k)
+        })?)
     };
-    let x = &rows_of(x);
-    let st = &Stages { xn: rows_of(&st.xn), att: rows_of(&st.att), x2: rows_of(&st.x2), xn2: rows_of(&st.xn2), h: rows_of(&st.h), y: rows_of(&st.y) };
+    let (xn_mean, xn_clip, xn_t) = stat(&st.xn)?;
+    let (att_mean, att_clip, att_t) = stat(&st.att)?;
+    let (xn2_mean, xn2_clip, xn2_t) = stat(&st.xn2)?;
+    let (h_mean, h_clip, h_t) = stat(&st.h)?;
+    let m = sub.tokens();
+    let rows_of = |t: &Tensor<2>| -> Result<Tensor<2>> {
+        let [_, d] = t.dims();
+        Ok(with_host(t, |h| Tensor::from_data(TensorData::new(h[..m * d].to_vec(), [m, d]), &t.device()))?)
+    };
+    let x = &rows_of(x)?;
+    let st = &Stages { xn: rows_of(&st.xn)?, att: rows_of(&st.att)?, x2: rows_of(&st.x2)?, xn2: rows_of(&st.xn2)?, h: rows_of(&st.h)?, y: rows_of(&st.y)? };
     let c = sub;
     // The searches below run on the unscaled layer: each candidate replaces only the linears it
     // scales, and only their fused weights are uploaded again.
     let base = c.upload(lw);
     let lw_ref: &LayerWeights = lw;
-    let search = |ls: &[Linear], x_host: &[f32], cols: usize, loss: &mut dyn FnMut(&DecoderLayer) -> Result<f64>| -> Result<Vec<f32>> {
-        let m = act_mean_abs(x_host, n, cols);
+    let search = |ls: &[Linear], m: &[f32], cols: usize, loss: &mut dyn FnMut(&DecoderLayer) -> Result<f64>| -> Result<Vec<f32>> {
         let ws: Vec<(&[f32], usize)> = ls.iter().map(|&l| (lw_ref.linear(l), l.dims(cfg).0)).collect();
-        let mut block = |qs: &[Vec<f32>]| -> Result<f64> {
-            let parts: Vec<(Linear, &[f32])> = ls.iter().zip(qs).map(|(&l, q)| (l, q.as_slice())).collect();
-            loss(&c.upload_replacing(&base, lw_ref, &parts))
+        // Each candidate's rows are quantized straight into the layout of the products.
+        let mut block = |cand: &ScaleCandidate<'_>| -> Result<f64> {
+            let row = |l: Linear, r: usize, buf: &mut [f32]| {
+                let i = ls.iter().position(|&x| x == l).expect("upload_rows asks for replaced linears only");
+                cand.row(i, r, buf);
+            };
+            loss(&c.upload_rows(&base, lw_ref, ls, &row))
         };
-        Ok(search_scale(&m, &ws, cols, scheme, a.n_grid, &mut block)?.scales)
+        Ok(search_scale(m, &ws, cols, scheme, a.n_grid, &mut block)?.scales)
     };
     // 1. q/k/v through input_layernorm; objective: the attention block output.
-    let s_qkv = search(&[Linear::Q, Linear::K, Linear::V], &xn_h, hid, &mut |d| {
+    let s_qkv = search(&[Linear::Q, Linear::K, Linear::V], &xn_mean, hid, &mut |d| {
         let a2 = c.attention(d, st.xn.clone())?;
         mse(&c.attn_residual(d, x.clone(), a2)?, &st.x2)
     })?;
     // 2. o through v_proj (only when v_proj's output is o_proj's input: no GQA).
     let v_out = Linear::V.dims(cfg).0;
     let s_o = if v_out == qd {
-        Some(search(&[Linear::O], &att_h, qd, &mut |d| mse(&c.attn_residual(d, x.clone(), st.att.clone())?, &st.x2))?)
+        Some(search(&[Linear::O], &att_mean, qd, &mut |d| mse(&c.attn_residual(d, x.clone(), st.att.clone())?, &st.x2))?)
     } else {
         None
     };
     // 3. gate/up through post_attention_layernorm; objective: the MLP output.
-    let s_mlp = search(&[Linear::Gate, Linear::Up], &xn2_h, hid, &mut |d| {
+    let s_mlp = search(&[Linear::Gate, Linear::Up], &xn2_mean, hid, &mut |d| {
         let hc = c.swiglu_out(d, st.xn2.clone())?;
         mse(&c.mlp_residual(d, st.x2.clone(), hc)?, &st.y)
     })?;
     // 4. down through up_proj; objective: down_proj's output.
-    let s_down = search(&[Linear::Down], &h_h, inter, &mut |d| mse(&c.mlp_residual(d, st.x2.clone(), st.h.clone())?, &st.y))?;
+    let s_down = search(&[Linear::Down], &h_mean, inter, &mut |d| mse(&c.mlp_residual(d, st.x2.clone(), st.h.clone())?, &st.y))?;
     // apply_scale: norm / s (input side), weight columns · s.
     for (n, s) in lw.attn_norm.iter_mut().zip(&s_qkv) {
         *n /= s;
@@ -333,16 +342,24 @@ fn awq_layer(
     scale_cols(lw.linear_mut(Linear::Down), inter, &s_down);
     if a.clip {
         // auto_clip_block: every linear but q/k, on the (scaled) inputs.
-        type ClipInput<'a> = (Linear, &'a [f32], usize, Option<&'a [f32]>);
+        type ClipInput<'a> = (Linear, (&'a [f32], usize), usize, Option<&'a [f32]>);
         let inputs: [ClipInput<'_>; 5] = [
-            (Linear::V, &xn_h, hid, Some(&s_qkv)),
-            (Linear::O, &att_h, qd, s_o.as_deref()),
-            (Linear::Gate, &xn2_h, hid, Some(&s_mlp)),
-            (Linear::Up, &xn2_h, hid, Some(&s_mlp)),
-            (Linear::Down, &h_h, inter, Some(&s_down)),
+            (Linear::V, (&xn_clip, xn_t), hid, Some(&s_qkv)),
+            (Linear::O, (&att_clip, att_t), qd, s_o.as_deref()),
+            (Linear::Gate, (&xn2_clip, xn2_t), hid, Some(&s_mlp)),
+            (Linear::Up, (&xn2_clip, xn2_t), hid, Some(&s_mlp)),
+            (Linear::Down, (&h_clip, h_t), inter, Some(&s_down)),
         ];
-        for (l, xh, cols, s) in inputs {
-            let (xs, t) = subsample(xh, n, cols, a.clip_tokens, s);
+        for (l, (xh, t), cols, s) in inputs {
+            // The samples as the scaled layer sees them: columns divided by s.
+            let mut xs = xh.to_vec();
+            if let Some(s) = s {
+                for row in xs.chunks_mut(cols) {
+                    for (v, f) in row.iter_mut().zip(s) {
+                        *v /= f;
+                    }
+                }
+            }
             let rows = l.dims(cfg).0;
             let clip = search_clip(lw.linear(l), rows, cols, &xs, t, scheme, a.n_grid, a.max_shrink)?;
             let gs = match scheme.granularity {

@@ -378,36 +378,82 @@ pub fn quantize_rtn(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Res
 
 /// A round-to-nearest pass compiled for the widest vectors this CPU has (`$body` inlined into
 /// AVX-512 and AVX2 copies): the same f64 operations in the same order on every path (no fused
-/// multiply-adds), so the same codes.
+/// multiply-adds), so the same codes. `rtn_dispatch!(name(args) -> Ret, body)` defines
+/// `fn name(args) -> Ret` calling `body(args)`.
 macro_rules! rtn_dispatch {
-    ($name:ident, $body:ident) => {
-        fn $name(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
+    ($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty, $body:ident) => {
+        fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             {
                 use deco_kernels::quant::Isa;
                 #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2")]
-                unsafe fn avx512(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
-                    $body(w, rows, cols, scheme)
+                unsafe fn avx512($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
                 }
                 #[target_feature(enable = "avx2")]
-                unsafe fn avx2(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
-                    $body(w, rows, cols, scheme)
+                unsafe fn avx2($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
                 }
                 match Isa::detect() {
                     // SAFETY: the CPU has the features (Isa::detect).
-                    Isa::Avx512 => return unsafe { avx512(w, rows, cols, scheme) },
+                    Isa::Avx512 => return unsafe { avx512($($arg),*) },
                     // SAFETY: as above.
-                    Isa::Avx2 => return unsafe { avx2(w, rows, cols, scheme) },
+                    Isa::Avx2 => return unsafe { avx2($($arg),*) },
                     Isa::Scalar => {}
                 }
             }
-            $body(w, rows, cols, scheme)
+            $body($($arg),*)
         }
     };
 }
 
-rtn_dispatch!(quantize_rtn_wide, quantize_rtn_body);
-rtn_dispatch!(rtn_rows, rtn_rows_body);
+rtn_dispatch!(quantize_rtn_wide(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor>, quantize_rtn_body);
+rtn_dispatch!(rtn_rows(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor>, rtn_rows_body);
+rtn_dispatch!(scaled_fake_quant_row_wide(x: &mut [f32], s: &[f32], gs: usize, bits: u32, sym: bool) -> (), scaled_fake_quant_row_body);
+
+/// One row of AWQ's `Q(W · diag(s)) · diag(s)⁻¹` ([`crate::awq::scaled_fake_quant`]) in place:
+/// `x` holds the row and receives the result, `s` the scales (`[cols]` each), the groups `gs`
+/// columns from the start (the last one ragged; `gs = cols` per channel). The same values as
+/// the matrix function gives for this row: each group's [`find_params`] of `x · s`,
+/// [`quantize_value`], [`dequantize_value`], then `/ s` (with `s = 1` the plain fake
+/// quantization of [`fake_quant_ragged`]). `bits` must be valid ([`check_bits`]) and `gs > 0`.
+pub(crate) fn scaled_fake_quant_row(x: &mut [f32], s: &[f32], gs: usize, bits: u32, sym: bool) {
+    scaled_fake_quant_row_wide(x, s, gs.max(1), bits, sym);
+}
+
+#[inline(always)]
+fn scaled_fake_quant_row_body(x: &mut [f32], s: &[f32], gs: usize, bits: u32, sym: bool) {
+    const L: usize = 16;
+    let maxq = (1u32 << bits) - 1;
+    for (og, sg) in x.chunks_mut(gs).zip(s.chunks(gs)) {
+        // The scaled group and its range in L lanes: an f32 min / max is exact, and a NaN never
+        // replaces a lane (`v < a` is false), as in `group_range`'s f64 `min` / `max`.
+        let (mut lo, mut hi) = ([0.0f32; L], [0.0f32; L]);
+        let lanes = |o: &mut [f32], s: &[f32], lo: &mut [f32; L], hi: &mut [f32; L]| {
+            for (i, (o, &f)) in o.iter_mut().zip(s).enumerate() {
+                let v = *o * f;
+                *o = v;
+                lo[i] = if v < lo[i] { v } else { lo[i] };
+                hi[i] = if v > hi[i] { v } else { hi[i] };
+            }
+        };
+        let mut oc = og.chunks_exact_mut(L);
+        for (o, s) in (&mut oc).zip(sg.chunks_exact(L)) {
+            lanes(o, s, &mut lo, &mut hi);
+        }
+        let tail = sg.len() / L * L;
+        lanes(oc.into_remainder(), &sg[tail..], &mut lo, &mut hi);
+        let (lo, hi) = lo.iter().zip(&hi).fold((0.0f64, 0.0f64), |(a, b), (&l, &h)| (a.min(l as f64), b.max(h as f64)));
+        let (scale, zero) = find_params([lo as f32, hi as f32], bits, sym);
+        // quantize_value then dequantize_value, with the code kept in f64: the clamp to
+        // [0, maxq] of `max` / `min` sends NaN to 0 as the `as u8` of the scalar path does.
+        let (sc, z, mq) = (scale as f64, zero as f64, maxq as f64);
+        for (o, &f) in og.iter_mut().zip(sg) {
+            let q = (round_half_even(*o as f64 / sc) + z).max(0.0).min(mq);
+            *o = (sc * (q - z)) as f32 / f;
+        }
+    }
+}
 
 #[inline(always)]
 fn quantize_rtn_body(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor> {
