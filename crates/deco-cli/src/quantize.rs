@@ -376,8 +376,8 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             args.calib.clone()
         };
         let k = calib.len();
-        // The files are tokenized in parallel (one whole file per task, so the tokens are those
-        // of a sequential run): most of the time before the first layer.
+        // The files, and pieces of each, are tokenized in parallel (`encode_corpus`): most of
+        // the time before the first layer.
         let encoded: Vec<Result<Vec<u32>>> = {
             use rayon::prelude::*;
             calib
@@ -385,7 +385,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
                 .map(|path| {
                     let text = std::fs::read_to_string(path).with_context(|| format!("reading calibration text {}", path.display()))?;
                     ensure!(!text.trim().is_empty(), "--calib {}: the calibration text is empty", path.display());
-                    Ok(tok.encode_with(&text, false, true)?)
+                    crate::runtime::encode_corpus(&tok, &text)
                 })
                 .collect()
         };

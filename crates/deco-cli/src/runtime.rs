@@ -224,3 +224,66 @@ pub fn retain_freed_memory() {
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
     }
 }
+
+/// Bytes per piece of [`encode_corpus`].
+const CORPUS_PIECE: usize = 1 << 18;
+
+/// `text` cut into consecutive pieces of at least `piece` bytes, each ending at a paragraph
+/// break (the first blank line `"\n\n"` at or after `piece` bytes into it; the last piece takes
+/// the rest). The pieces concatenate to `text`.
+fn corpus_pieces(text: &str, piece: usize) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while rest.len() > piece {
+        // `piece` may fall inside a character: search from the next boundary.
+        let from = (piece..rest.len()).find(|&i| rest.is_char_boundary(i)).unwrap_or(rest.len());
+        let Some(cut) = rest[from..].find("\n\n").map(|i| from + i + 2) else { break };
+        let (head, tail) = rest.split_at(cut);
+        out.push(head);
+        rest = tail;
+    }
+    if !rest.is_empty() || out.is_empty() {
+        out.push(rest);
+    }
+    out
+}
+
+/// The tokens of a calibration corpus (no BOS/EOS, special-token text parsed): the text cut at
+/// paragraph breaks into pieces of ~256 KiB ([`corpus_pieces`]), each tokenized on its own, in
+/// parallel, and the ids concatenated. The tokens differ from one encoding of the whole text
+/// only where a piece ends (its closing blank line is tokenized without the text after it); the
+/// GPTQ and AWQ reference implementations likewise tokenize each calibration sample on its own.
+/// A 4.4 MB text took ~3 s as one encoding (the `tokenizers` crate runs one thread per call).
+///
+/// # Errors
+/// The tokenizer's.
+pub fn encode_corpus(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    use rayon::prelude::*;
+    let pieces: Vec<Vec<u32>> = corpus_pieces(text, CORPUS_PIECE).par_iter().map(|p| tok.encode_with(p, false, true)).collect::<deco_formats::Result<_>>()?;
+    Ok(pieces.concat())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::corpus_pieces;
+
+    #[test]
+    fn corpus_pieces_end_at_paragraph_breaks_and_cover_the_text() {
+        let para = "Ein Absatz mit Umlauten: äöü ß. ";
+        let text: String = (0..200).map(|i| format!("{}{}", para.repeat(i % 7 + 1), if i % 3 == 0 { "\n\n\n" } else { "\n\n" })).collect();
+        for piece in [1usize, 7, 100, 1000, text.len(), 10 * text.len()] {
+            let p = corpus_pieces(&text, piece);
+            assert_eq!(p.concat(), text, "piece {piece}");
+            for (i, s) in p.iter().enumerate() {
+                if i + 1 < p.len() {
+                    assert!(s.len() >= piece && s.ends_with("\n\n"), "piece {piece}: {i} is {} bytes", s.len());
+                }
+            }
+            if piece >= text.len() {
+                assert_eq!(p.len(), 1);
+            }
+        }
+        assert_eq!(corpus_pieces("", 10), vec![""]);
+        assert_eq!(corpus_pieces("no break at all", 3), vec!["no break at all"]);
+    }
+}

@@ -171,14 +171,14 @@ pub fn write_fake_dir(
     let mut tensors = Vec::new();
     for name in hf_tensor_names(cfg) {
         let (shape, data) = tensor(&name)?;
-        let data = match linears.get(&name) {
+        let st = match linears.get(&name) {
             Some(w) if w.len() != data.len() => {
                 return Err(Error::Shape(format!("{name}: {} values for shape {shape:?}", w.len())));
             }
-            Some(w) => w.clone(),
-            None => data,
+            Some(w) => StTensor::f32(shape, w),
+            None => StTensor::f32(shape, &data),
         };
-        tensors.push((name, StTensor::f32(shape, &data)));
+        tensors.push((name, st));
     }
     let config = serde_json::to_string_pretty(&cfg.to_hf_json("float32")).unwrap_or_default();
     let mut files = vec![("config.json", config), ("generation_config.json", generation_config(cfg, tok))];
