@@ -425,7 +425,7 @@ mod x86 {
     use std::ops::Range;
 
     use super::{AttnShape, KvElement, SeqKv, TILE, row_offset};
-    use crate::simd::{exp_in_range, hsum};
+    use crate::simd::{exp_neg, hsum};
 
     /// `[Σ a_0, …, Σ a_7]`: the horizontal sums of eight vectors in one vector.
     #[inline(always)]
@@ -452,20 +452,6 @@ mod x86 {
             let h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)))
-        }
-    }
-
-    /// `e^x` for `x ≤ 0` lane-wise ([`crate::simd::exp_in_range`]); 0 at or below `-87.3`
-    /// (and for `-inf`); NaN stays NaN.
-    #[inline(always)]
-    unsafe fn exp_neg(x: __m256) -> __m256 {
-        // SAFETY (whole body): register-only AVX2/FMA instructions (the caller's target features).
-        unsafe {
-            let min = _mm256_set1_ps(-87.3);
-            // max(min, x) returns x when x is NaN, so NaN propagates.
-            let out = exp_in_range(_mm256_max_ps(min, x));
-            // Lanes at or below the minimum (including -inf) are exactly 0.
-            _mm256_andnot_ps(_mm256_cmp_ps(x, min, _CMP_LE_OQ), out)
         }
     }
 

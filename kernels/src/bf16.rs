@@ -189,7 +189,8 @@ pub fn matmul(x: &[f32], n: usize, w: &PackedBf16, y: &mut [f32]) -> Result<()> 
     #[cfg(target_arch = "x86_64")]
     {
         let kp = inner.div_ceil(2);
-        let mut xb = vec![0u32; n * kp];
+        // Zeroed by every thread at once (tens of MB for a calibration pass).
+        let mut xb = crate::team::zeroed(n * kp);
         convert_rows(x, n, inner, &mut xb);
         // SAFETY: `available` found AVX-512 F and BF16; the lengths were checked above.
         unsafe { matmul_avx512(&xb, n, kp, w, y) };
@@ -356,7 +357,7 @@ pub fn gram(x: &[f32], n: usize, cols: usize) -> Result<Vec<f32>> {
         // `cols` and past `n`. The tile then reads a strip's run of pairs in place.
         let np = n.div_ceil(2);
         let strips = cols.div_ceil(NR);
-        let mut xp = vec![0u32; strips * np * NR];
+        let mut xp: Vec<u32> = crate::team::zeroed(strips * np * NR);
         let xpp = SyncPtr(xp.as_mut_ptr());
         let per = 64usize;
         crate::team::par_for(np.div_ceil(per), |task| {

@@ -38,3 +38,15 @@ pub(crate) fn exp_in_range(x: __m256) -> __m256 {
     let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     _mm256_mul_ps(y, _mm256_castsi256_ps(e))
 }
+
+/// `e^x` for `x ≤ 0` lane-wise ([`exp_in_range`]): 0 at or below −87.3 (and for −inf), NaN
+/// stays NaN. The softmax weights of the attention kernels.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn exp_neg(x: __m256) -> __m256 {
+    let min = _mm256_set1_ps(-87.3);
+    // max(min, x) returns x when x is NaN, so NaN propagates.
+    let out = exp_in_range(_mm256_max_ps(min, x));
+    // Lanes at or below the minimum (including -inf) are exactly 0.
+    _mm256_andnot_ps(_mm256_cmp_ps(x, min, _CMP_LE_OQ), out)
+}

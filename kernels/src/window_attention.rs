@@ -114,18 +114,7 @@ mod x86 {
 
     use super::{KT, QB};
     use crate::attention::AttnShape;
-    use crate::simd::exp_in_range;
-
-    /// `e^x` for `x ≤ 0` lane-wise; 0 at or below −87.3 (and for −inf), as the decode kernel's.
-    #[inline(always)]
-    unsafe fn exp_neg(x: __m256) -> __m256 {
-        // SAFETY: register-only AVX2/FMA instructions (the caller's target features).
-        unsafe {
-            let min = _mm256_set1_ps(-87.3);
-            let out = exp_in_range(_mm256_max_ps(min, x));
-            _mm256_andnot_ps(_mm256_cmp_ps(x, min, _CMP_LE_OQ), out)
-        }
-    }
+    use crate::simd::exp_neg;
 
     /// The 8 × 8 transpose of eight row vectors (unpack, shuffle, then 128-bit lane swaps).
     #[inline(always)]

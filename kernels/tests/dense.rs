@@ -11,17 +11,8 @@ use deco_kernels::dense::{SMALL_N, gram, matmul};
 use deco_kernels::error::Error;
 use proptest::prelude::*;
 
-fn values(seed: u64, len: usize) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-        })
-        .collect()
-}
+mod common;
+use common::values;
 
 /// The input as the f32 products see it.
 fn exact(x: f32) -> f64 {

@@ -9,16 +9,11 @@ use deco_kernels::attention::AttnShape;
 use deco_kernels::window_attention::{causal_window_attention, supported};
 use proptest::prelude::*;
 
+mod common;
+
+/// `len` values uniform in (−amp, amp).
 fn values(seed: u64, len: usize, amp: f32) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * amp
-        })
-        .collect()
+    common::values(seed, len).into_iter().map(|v| v * amp).collect()
 }
 
 /// Naive f64 attention of token `t` (window starting at `start`), head `h`: the output and

@@ -273,8 +273,8 @@ impl Calibrator {
         Ok(Tensor::from_data(TensorData::new(out, [self.tokens, h]), &self.device))
     }
 
-    /// Uploads a layer's weights (fusing Q/K/V and gate/up as the model does), dense f32 (and
-    /// packed for bf16 products under [`CalibDtype::Bf16`]).
+    /// Uploads a layer's weights (fusing Q/K/V and gate/up as the model does), dense f32, or
+    /// rounded to bf16 and packed for bf16 products under [`CalibDtype::Bf16`] (no f32 copy).
     pub fn upload(&self, w: &LayerWeights) -> DecoderLayer {
         let cfg = &self.cfg;
         let d = &self.device;

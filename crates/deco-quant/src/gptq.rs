@@ -283,31 +283,9 @@ pub fn gptq_quantize(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, cfg
     })
 }
 
-/// [`gptq_rows`] compiled for the widest vectors this CPU has (the column updates are f64
-/// AXPYs; the baseline x86-64 build has SSE2 only). The same operations in the same order on
-/// every path (no fused multiply-adds: Rust does not contract `a - b * c`), so the same bits.
-fn gptq_rows_dispatch(job: &RowsJob<'_>, wm: &mut [f64], nr: usize, static_params: Option<&[&[(f32, f32)]]>) -> RowsOut {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512vl,avx2")]
-        unsafe fn avx512(job: &RowsJob<'_>, wm: &mut [f64], nr: usize, static_params: Option<&[&[(f32, f32)]]>) -> RowsOut {
-            gptq_rows(job, wm, nr, static_params)
-        }
-        #[target_feature(enable = "avx2")]
-        unsafe fn avx2(job: &RowsJob<'_>, wm: &mut [f64], nr: usize, static_params: Option<&[&[(f32, f32)]]>) -> RowsOut {
-            gptq_rows(job, wm, nr, static_params)
-        }
-        use deco_kernels::quant::Isa;
-        match Isa::detect() {
-            // SAFETY: the CPU has the features (Isa::detect).
-            Isa::Avx512 => return unsafe { avx512(job, wm, nr, static_params) },
-            // SAFETY: as above.
-            Isa::Avx2 => return unsafe { avx2(job, wm, nr, static_params) },
-            Isa::Scalar => {}
-        }
-    }
-    gptq_rows(job, wm, nr, static_params)
-}
+// `gptq_rows` compiled for the widest vectors this CPU has (the column updates are f64 AXPYs;
+// the baseline x86-64 build has SSE2 only): the same bits on every path.
+wide_dispatch!(gptq_rows_dispatch(job: &RowsJob<'_>, wm: &mut [f64], nr: usize, static_params: Option<&[&[(f32, f32)]]>) -> RowsOut, gptq_rows);
 
 /// What every row chunk of one [`gptq_quantize`] shares.
 struct RowsJob<'a> {

@@ -169,30 +169,10 @@ pub fn find_params_mse(values: &[f32], bits: u32, sym: bool, norm: f64, grid: us
 /// each operation, partial sums added in a fixed order); AVX-512 and AVX2 builds of the same
 /// loop only vectorize it.
 pub(crate) fn group_err_bounded(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use deco_kernels::quant::Isa;
-        match Isa::detect() {
-            // SAFETY: the CPU has the features the functions are compiled for (Isa::detect).
-            Isa::Avx512 => return unsafe { group_err_avx512(values, scale, zero, maxq, norm, bound) },
-            Isa::Avx2 => return unsafe { group_err_avx2(values, scale, zero, maxq, norm, bound) },
-            Isa::Scalar => {}
-        }
-    }
-    group_err_body(values, scale, zero, maxq, norm, bound)
+    group_err_wide(values, scale, zero, maxq, norm, bound)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx2,fma")]
-unsafe fn group_err_avx512(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64 {
-    group_err_body(values, scale, zero, maxq, norm, bound)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn group_err_avx2(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64 {
-    group_err_body(values, scale, zero, maxq, norm, bound)
-}
+wide_dispatch!(group_err_wide(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64, group_err_body);
 
 #[inline(always)]
 fn group_err_body(values: &[f32], scale: f32, zero: f32, maxq: u32, norm: f32, bound: f64) -> f64 {
@@ -376,40 +356,11 @@ pub fn quantize_rtn(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Res
     quantize_rtn_wide(w, rows, cols, scheme)
 }
 
-/// A round-to-nearest pass compiled for the widest vectors this CPU has (`$body` inlined into
-/// AVX-512 and AVX2 copies): the same f64 operations in the same order on every path (no fused
-/// multiply-adds), so the same codes. `rtn_dispatch!(name(args) -> Ret, body)` defines
-/// `fn name(args) -> Ret` calling `body(args)`.
-macro_rules! rtn_dispatch {
-    ($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty, $body:ident) => {
-        fn $name($($arg: $ty),*) -> $ret {
-            #[cfg(target_arch = "x86_64")]
-            {
-                use deco_kernels::quant::Isa;
-                #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw,avx2")]
-                unsafe fn avx512($($arg: $ty),*) -> $ret {
-                    $body($($arg),*)
-                }
-                #[target_feature(enable = "avx2")]
-                unsafe fn avx2($($arg: $ty),*) -> $ret {
-                    $body($($arg),*)
-                }
-                match Isa::detect() {
-                    // SAFETY: the CPU has the features (Isa::detect).
-                    Isa::Avx512 => return unsafe { avx512($($arg),*) },
-                    // SAFETY: as above.
-                    Isa::Avx2 => return unsafe { avx2($($arg),*) },
-                    Isa::Scalar => {}
-                }
-            }
-            $body($($arg),*)
-        }
-    };
-}
-
-rtn_dispatch!(quantize_rtn_wide(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor>, quantize_rtn_body);
-rtn_dispatch!(rtn_rows(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor>, rtn_rows_body);
-rtn_dispatch!(scaled_fake_quant_row_wide(x: &mut [f32], s: &[f32], gs: usize, bits: u32, sym: bool) -> (), scaled_fake_quant_row_body);
+// The round-to-nearest passes compiled for the widest vectors (`wide_dispatch!`, lib.rs):
+// the same f64 operations in the same order on every path, so the same codes.
+wide_dispatch!(quantize_rtn_wide(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor>, quantize_rtn_body);
+wide_dispatch!(rtn_rows(w: &[f32], rows: usize, cols: usize, scheme: &Scheme) -> Result<QuantizedTensor>, rtn_rows_body);
+wide_dispatch!(scaled_fake_quant_row_wide(x: &mut [f32], s: &[f32], gs: usize, bits: u32, sym: bool) -> (), scaled_fake_quant_row_body);
 
 /// One row of AWQ's `Q(W · diag(s)) · diag(s)⁻¹` ([`crate::awq::scaled_fake_quant`]) in place:
 /// `x` holds the row and receives the result, `s` the scales (`[cols]` each), the groups `gs`

@@ -321,7 +321,7 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C intrinsics.
     Avx2,
-    /// x86-64 AVX-512 F/BW/VL intrinsics (plus AVX2 + FMA + F16C) for the packed matmul; the
+    /// x86-64 AVX-512 F/BW/VL/DQ intrinsics (plus AVX2 + FMA + F16C) for the packed matmul; the
     /// other kernels use their AVX2 code under this level.
     Avx512,
 }
@@ -368,6 +368,7 @@ impl Isa {
                         && is_x86_feature_detected!("avx512f")
                         && is_x86_feature_detected!("avx512bw")
                         && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512dq")
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 {

@@ -1,5 +1,6 @@
-//! Helpers shared by the kernel test binaries: the GGUF type of each packed block type and
-//! ggml's reference quantizers (from deco-formats).
+//! Helpers shared by the kernel test binaries: the GGUF type of each packed block type,
+//! ggml's reference quantizers (from deco-formats), and seeded test values.
+#![allow(dead_code)] // each test binary uses a part
 
 use deco_formats::ggml::{self, GgmlType};
 use deco_kernels::quant::BlockType;
@@ -26,4 +27,17 @@ pub fn ggml_quantize(ty: BlockType, w: &[f32]) -> Option<Vec<u8>> {
         BlockType::Q4_K | BlockType::Q5_0 | BlockType::Q6_K => return None,
     };
     Some(q.expect("ggml quantizer"))
+}
+
+/// `len` values uniform in (−1, 1) from an xorshift stream seeded by `seed`.
+pub fn values(seed: u64, len: usize) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        })
+        .collect()
 }
