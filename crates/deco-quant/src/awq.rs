@@ -210,7 +210,6 @@ pub fn search_clip(
         _ => cols,
     };
     let groups = cols.div_ceil(gs_full);
-    let row_scheme = Scheme { granularity: Granularity::PerChannel, ..*scheme };
     let steps = ((max_shrink * n_grid as f64) as usize).max(1);
     // Groups are independent: one rayon task each, the best clip value per row returned.
     let per_group: Vec<Vec<f32>> = {
@@ -248,7 +247,7 @@ pub fn search_clip(
                         for (dv, &wv) in dr.iter_mut().zip(wr) {
                             *dv = wv.clamp(-m, m);
                         }
-                        crate::scheme::scaled_fake_quant_row(dr, &ones, gs, row_scheme.bits, row_scheme.sym);
+                        crate::scheme::scaled_fake_quant_row(dr, &ones, gs, scheme.bits, scheme.sym);
                         for (dv, &wv) in dr.iter_mut().zip(wr) {
                             *dv -= wv;
                         }

@@ -273,14 +273,27 @@ pub(crate) fn round_half_even(x: f64) -> f64 {
 /// The code of `x` (AutoGPTQ `quantize`): `clamp(round_half_even(x / scale) + zero, 0, maxq)`.
 #[inline]
 pub fn quantize_value(x: f32, scale: f32, zero: f32, maxq: u32) -> u8 {
-    let q = round_half_even(x as f64 / scale as f64) + zero as f64;
-    q.clamp(0.0, maxq as f64) as u8
+    code_f64(x, scale, zero, maxq) as u8
+}
+
+/// [`quantize_value`]'s code as f64 (an integer in `0..=maxq`; NaN input gives 0, as the `u8`
+/// conversion of a NaN does), for loops that dequantize it at once and vectorize better without
+/// the `u8` round trip.
+#[inline(always)]
+fn code_f64(x: f32, scale: f32, zero: f32, maxq: u32) -> f64 {
+    (round_half_even(x as f64 / scale as f64) + zero as f64).max(0.0).min(maxq as f64)
 }
 
 /// The value of a code: `scale * (q - zero)` (exact product rounded once to f32).
 #[inline]
 pub fn dequantize_value(q: u8, scale: f32, zero: f32) -> f32 {
-    (scale as f64 * (q as f64 - zero as f64)) as f32
+    dequantize_f64(q as f64, scale, zero)
+}
+
+/// [`dequantize_value`] of a code held as f64 ([`code_f64`]).
+#[inline(always)]
+fn dequantize_f64(q: f64, scale: f32, zero: f32) -> f32 {
+    (scale as f64 * (q - zero as f64)) as f32
 }
 
 /// A quantized `[rows, cols]` matrix: integer codes plus scales and zero points.
@@ -394,14 +407,12 @@ fn scaled_fake_quant_row_body(x: &mut [f32], s: &[f32], gs: usize, bits: u32, sy
         }
         let tail = sg.len() / L * L;
         lanes(oc.into_remainder(), &sg[tail..], &mut lo, &mut hi);
-        let (lo, hi) = lo.iter().zip(&hi).fold((0.0f64, 0.0f64), |(a, b), (&l, &h)| (a.min(l as f64), b.max(h as f64)));
-        let (scale, zero) = find_params([lo as f32, hi as f32], bits, sym);
-        // quantize_value then dequantize_value, with the code kept in f64: the clamp to
-        // [0, maxq] of `max` / `min` sends NaN to 0 as the `as u8` of the scalar path does.
-        let (sc, z, mq) = (scale as f64, zero as f64, maxq as f64);
+        let lo = lo.iter().fold(0.0f32, |a, &l| if l < a { l } else { a });
+        let hi = hi.iter().fold(0.0f32, |a, &h| if h > a { h } else { a });
+        let (scale, zero) = find_params([lo, hi], bits, sym);
+        // quantize_value then dequantize_value, with the code kept in f64.
         for (o, &f) in og.iter_mut().zip(sg) {
-            let q = (round_half_even(*o as f64 / sc) + z).max(0.0).min(mq);
-            *o = (sc * (q - z)) as f32 / f;
+            *o = dequantize_f64(code_f64(*o, scale, zero, maxq), scale, zero) / f;
         }
     }
 }
