@@ -66,7 +66,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let keep = |name: String| args.is_empty() || args.contains(&name);
     let any_isa = args.iter().all(|a| !a.starts_with("Avx") && a != "Scalar" && a != "Q8act");
-    let any_ty = args.iter().all(|a| (!a.starts_with('Q') || a == "Q8act") && a != "kquant");
+    let any_ty = args.iter().all(|a| (!a.starts_with('Q') || a == "Q8act") && a != "kquant" && a != "kprefill");
     for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0] {
         if !any_ty && !keep(format!("{ty:?}")) {
             continue;
@@ -155,6 +155,20 @@ fn main() {
         for m in l {
             let s = time(50, || m.matmul_q8(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul_q8"));
             println!("{:?} {}x{} hot, 1 token, Q8act: {:.1} us, {:.1} GB/s", m.ty(), m.rows(), m.cols(), s * 1e6, m.as_bytes().len() as f64 / s / 1e9);
+        }
+    }
+    // Qwen2.5-Coder-1.5B Q4_K_M prefill: one layer's k-quant matrices with 128 tokens of
+    // 8-bit activations (compute-bound; `DECO_KERNELS=avx2` for the AVX2 kernels,
+    // `KPREFILL_N` for another token count).
+    if q8_available() && (args.is_empty() || args.iter().any(|a| a == "kprefill")) {
+        let n: usize = std::env::var("KPREFILL_N").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
+        let x: Vec<f32> = (0..n * 8960).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+        let mut y = vec![0.0f32; n * 17920];
+        for (ty, rows, cols) in [(BlockType::Q4_K, 2048, 1536), (BlockType::Q4_K, 17920, 1536), (BlockType::Q6_K, 1536, 8960)] {
+            let m = matrix(ty, rows, cols, 3);
+            // The fastest of 9 (this kind of host's neighbours slow single runs by up to 2x).
+            let s = (0..9).map(|_| time(1, || m.matmul_q8(black_box(&x[..n * cols]), n, &mut y[..n * rows]).expect("matmul_q8"))).fold(f64::INFINITY, f64::min);
+            println!("{ty:?} {rows}x{cols}, {n} tokens, Q8act: {:.2} ms, {:.1} GMAC/s", s * 1e3, (n * rows * cols) as f64 / s / 1e9);
         }
     }
     // The dequantize + gemm alternative for prefill.

@@ -324,6 +324,22 @@ proptest! {
     }
 }
 
+/// Long k-quant rows with a prompt's worth of tokens: the repacked prefill path
+/// (`matmul_repacked_q8`) runs its spans of 8 super-blocks (10 here, so a span of 8 then one of
+/// 2, the running sums carried in `y`), groups of 8 rows plus leftover rows, and token passes
+/// of 8 / 4 / 2 / 1; `check_q8` compares it with the f64 references, with the token alone
+/// (the per-token-group kernel) bit for bit, and AVX2 with VNNI bit for bit.
+#[test]
+fn q8_kquant_long_rows_match_reference() {
+    for ty in [BlockType::Q4_K, BlockType::Q6_K] {
+        for isa in q8_isas() {
+            for (rows, n, seed) in [(20, 13, 3u64), (8, 31, 4), (3, 9, 5)] {
+                check_q8(ty, rows, 10 * 256, n, seed, isa).unwrap_or_else(|e| panic!("{ty:?} {isa:?} rows={rows} n={n}: {e}"));
+            }
+        }
+    }
+}
+
 #[test]
 fn q8_bad_inputs_are_errors() {
     assert!(QuantizedActivations::quantize(&[0.0; 40], 1, 40).is_err());

@@ -186,6 +186,8 @@ macro_rules! q8_rows8_k_body {
     }};
 }
 
+#[cfg(target_arch = "x86_64")]
+mod krepack;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -208,6 +210,31 @@ const TILE_T: usize = 4;
 /// the 8 code vectors and the temporaries). The AVX2 kernels (16 registers) take [`TILE_T`].
 #[cfg(target_arch = "x86_64")]
 const TILE_T_VNNI: usize = 8;
+
+/// Bytes of packed rows per sub-chunk of the tiled kernels: they stay in L1/L2 while every
+/// token group passes over them.
+#[cfg(target_arch = "x86_64")]
+const TILED_SUB_BYTES: usize = 32 * 1024;
+
+/// Tokens from which the 8-bit-activation k-quant path repacks its rows first
+/// (`PackedMatrix::matmul_repacked_q8`).
+#[cfg(target_arch = "x86_64")]
+const REPACK_MIN_TOKENS: usize = 8;
+
+/// Tokens per pass of the repacked k-quant kernels: 4 with AVX2 (16 vector registers), and
+/// with VNNI (32) 8 for Q4_K, 4 for Q6_K (whose two 16-weight halves keep more sums live). On
+/// the AMD EPYC (Zen 4) of 2026-12-07, one thread, `quant_matmul kprefill` (GMAC/s, Q4_K
+/// 2048 × 1536 / 17920 × 1536 / Q6_K 1536 × 8960): AVX2 T = 4: 100 / 95 / 65, T = 6: 91 / 85 /
+/// 44; VNNI T = 8: 138 / 129 / 67, T = 6: 132 / 123 / 86, T = 4 (Q6_K): 93.
+#[cfg(target_arch = "x86_64")]
+const REPACK_T_AVX2: usize = 4;
+#[cfg(target_arch = "x86_64")]
+const REPACK_T_VNNI_Q4K: usize = 8;
+
+/// Super-blocks per span of the repacked k-quant kernels: 8 rows × 8 of them repacked are
+/// 20 KiB, which stay in L1 while all tokens pass.
+#[cfg(target_arch = "x86_64")]
+const REPACK_K_SB: usize = 8;
 
 /// A smaller tile's results in the top-left corner of a full tile.
 #[cfg(target_arch = "x86_64")]
@@ -1048,6 +1075,10 @@ impl PackedMatrix {
                 }
             }};
         }
+        if kquant && n >= REPACK_MIN_TOKENS {
+            self.matmul_repacked_q8(qa, n, y, vnni);
+            return;
+        }
         // SAFETY (both closures): AVX2, FMA and F16C, and with `vnni` AVX-512 F/BW/VL/VNNI, were
         // detected (`matmul_q8_with` checked `q8_isa()`); `tiled` passes `rk` rows that exist
         // (`nb` blocks, or `nb / 8` super-blocks, each, `rb` apart) and tokens t .. t + tk that
@@ -1086,6 +1117,107 @@ impl PackedMatrix {
         }
     }
 
+    /// The k-quant path of [`PackedMatrix::matmul_tiled_q8`] for `n >= REPACK_MIN_TOKENS`
+    /// tokens. Row chunks go to the team as in [`PackedMatrix::tiled`]; inside a chunk, each
+    /// group of 8 rows (a leftover row alone, in all 8 lanes) is repacked once
+    /// (`krepack::repack8`: codes transposed and unpacked to bytes, scales decoded) into a
+    /// per-task buffer; then, for each span of [`REPACK_K_SB`] super-blocks (~20 KiB repacked,
+    /// held in L1), every group of tokens passes over it, its running sums kept in `y` between
+    /// spans (loaded and stored in the same order, so the float operations and the bits are
+    /// those of one pass).
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_repacked_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32], vnni: bool) {
+        /// 64-byte aligned storage, so that no 32-byte load of the buffer splits a cache line.
+        #[derive(Clone, Copy)]
+        #[repr(align(64))]
+        struct Line(#[allow(dead_code)] [u8; 64]);
+        let (cols, rows, ty) = (self.cols, self.rows, self.ty);
+        let nb = cols / BLOCK;
+        let nsb = nb / 8;
+        let rb = self.row_bytes();
+        let bb = ty.block_bytes();
+        let group_bytes = nsb * krepack::GROUP_SB_BYTES;
+        let chunk = self.chunk_rows(cols * n / 4).next_multiple_of(8);
+        let yp = SyncPtr(y.as_mut_ptr());
+        // Super-blocks k0 .. k0 + ks of the group at `pk` (rows r .. r + rk) with `$t` tokens
+        // from `t`, accumulated into y.
+        macro_rules! call {
+            ($kernel:ident, $t:expr, $tok:expr, $pk:expr, $k0:expr, $ks:expr, $r:expr, $rk:expr) => {{
+                let (t, k0) = ($tok, $k0);
+                let (b0, i0) = (t * cols + k0 * 256, t * nb + k0 * 8);
+                // SAFETY: the ISA was detected (`q8_isa()`, the VNNI kernel only with VNNI);
+                // `$pk` holds the group's super-blocks k0 .. k0 + ks; tokens t .. t + $t exist in
+                // `qa` and in y, whose rows r .. r + rk belong to this task only.
+                unsafe {
+                    krepack::$kernel::<{ $t }>(
+                        ty,
+                        $pk.add(k0 * krepack::GROUP_SB_BYTES),
+                        $ks,
+                        nb,
+                        qa.codes[b0..].as_ptr(),
+                        qa.scales[i0..].as_ptr(),
+                        qa.sums[i0..].as_ptr(),
+                        qa.isums[i0..].as_ptr(),
+                        qa.isums_lo[i0..].as_ptr(),
+                        cols,
+                        yp.get().add(t * rows + $r),
+                        rows,
+                        $rk,
+                        k0 == 0,
+                    )
+                }
+            }};
+        }
+        // All tokens over one span of a group, `$tmax` at a time, then the leftover tokens as
+        // 4 + 2 + 1 (per (row, token) the kernels do the same operations whatever `T` is).
+        macro_rules! tokens {
+            ($kernel:ident, $tmax:expr, $pk:expr, $k0:expr, $ks:expr, $r:expr, $rk:expr) => {{
+                let mut t = 0;
+                while t < n {
+                    let tk = n - t;
+                    let take = if tk >= $tmax { $tmax } else if tk >= 4 { 4 } else if tk >= 2 { 2 } else { 1 };
+                    if take == $tmax {
+                        call!($kernel, $tmax, t, $pk, $k0, $ks, $r, $rk)
+                    } else if take == 4 {
+                        call!($kernel, 4, t, $pk, $k0, $ks, $r, $rk)
+                    } else if take == 2 {
+                        call!($kernel, 2, t, $pk, $k0, $ks, $r, $rk)
+                    } else {
+                        call!($kernel, 1, t, $pk, $k0, $ks, $r, $rk)
+                    }
+                    t += take;
+                }
+            }};
+        }
+        crate::team::par_for(rows.div_ceil(chunk), |ci| {
+            let end = ((ci + 1) * chunk).min(rows);
+            let mut buf = vec![Line([0; 64]); group_bytes.div_ceil(64)];
+            let pk = buf.as_mut_ptr() as *mut u8;
+            let mut r = ci * chunk;
+            while r < end {
+                // A group of 8 rows, or a leftover row in all lanes (row stride 0).
+                let (rk, stride) = if end - r >= 8 { (8, rb) } else { (1, 0) };
+                for sb in 0..nsb {
+                    // SAFETY: AVX2/FMA/F16C were detected (`q8_isa()`); rows r .. r + rk hold
+                    // super-block sb; the slot range is inside `buf`.
+                    unsafe { krepack::repack8(ty, self.data[r * rb + sb * bb..].as_ptr(), stride, pk.add(sb * krepack::GROUP_SB_BYTES)) };
+                }
+                let pk = pk as *const u8;
+                for k0 in (0..nsb).step_by(REPACK_K_SB) {
+                    let ks = REPACK_K_SB.min(nsb - k0);
+                    if vnni && ty == BlockType::Q4_K {
+                        tokens!(q8_repacked_vnni, REPACK_T_VNNI_Q4K, pk, k0, ks, r, rk);
+                    } else if vnni {
+                        tokens!(q8_repacked_vnni, 4, pk, k0, ks, r, rk);
+                    } else {
+                        tokens!(q8_repacked_avx2, REPACK_T_AVX2, pk, k0, ks, r, rk);
+                    }
+                }
+                r += rk;
+            }
+        });
+    }
+
     /// The loop structure shared by the AVX-512 kernels: rayon over row chunks (sized from
     /// `cost` as [`PackedMatrix::chunk_rows`]); inside a chunk, sub-chunks of ~32 KiB of packed
     /// rows stay in L1/L2 while every group of `T` tokens passes over them in register tiles
@@ -1099,11 +1231,10 @@ impl PackedMatrix {
     where
         F: Fn(usize, *const u8, usize, usize) -> [[f32; R]; T] + Sync,
     {
-        const SUB_BYTES: usize = 32 * 1024;
         let rows = self.rows;
         let row_bytes = self.row_bytes();
         let chunk = self.chunk_rows(cost).next_multiple_of(R);
-        let sub = (SUB_BYTES / row_bytes.max(1)).max(R).next_multiple_of(R);
+        let sub = (TILED_SUB_BYTES / row_bytes.max(1)).max(R).next_multiple_of(R);
         let yp = SyncPtr(y.as_mut_ptr());
         crate::team::par_for(rows.div_ceil(chunk), |ci| {
             let end = ((ci + 1) * chunk).min(rows);
