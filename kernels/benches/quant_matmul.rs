@@ -164,7 +164,12 @@ fn main() {
         let n: usize = std::env::var("KPREFILL_N").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
         let x: Vec<f32> = (0..n * 8960).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut y = vec![0.0f32; n * 17920];
-        for (ty, rows, cols) in [(BlockType::Q4_K, 2048, 1536), (BlockType::Q4_K, 17920, 1536), (BlockType::Q6_K, 1536, 8960)] {
+        // Then SmolLM2-135M's Q4_1 / Q8_0 q/k/v, gate/up and down.
+        let smol = [(960, 576), (3072, 576), (576, 1536)];
+        let shapes = [(BlockType::Q4_K, 2048, 1536), (BlockType::Q4_K, 17920, 1536), (BlockType::Q6_K, 1536, 8960)]
+            .into_iter()
+            .chain([BlockType::Q4_1, BlockType::Q8_0].into_iter().flat_map(|ty| smol.map(|(r, c)| (ty, r, c))));
+        for (ty, rows, cols) in shapes {
             let m = matrix(ty, rows, cols, 3);
             // The fastest of 9 (this kind of host's neighbours slow single runs by up to 2x).
             let s = (0..9).map(|_| time(1, || m.matmul_q8(black_box(&x[..n * cols]), n, &mut y[..n * rows]).expect("matmul_q8"))).fold(f64::INFINITY, f64::min);

@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{byte_f32, q4k_scales8, q6k_d8, q6k_high_bits, transpose8x4};
+use super::x86::{byte_f32, halves_to_f32, q4k_scales8, q5_0_codes8, q6k_d8, q6k_high_bits, transpose8x1, transpose8x4};
 use super::{BLOCK, BlockType, Q6K_QH, Q6K_SCALES};
 
 /// Bytes of one repacked sub-block slot: 8 code vectors and 2 scale vectors of 32 bytes.
@@ -338,5 +338,282 @@ unsafe fn repacked_vnni_t<const TY: u8, const T: usize>(
         |a: __m256i, w: __m256i, x: __m256i| _mm256_dpbusd_epi32(a, w, x),
         |a: __m256i| a,
         |a: __m256i, w0: __m256i, x0: __m256i, w1: __m256i, x1: __m256i| _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a, w0, x0), w1, x1)
+    )
+}
+
+/// Repacks one 32-weight block of 8 rows of `ty` (Q4_0, Q4_1, Q5_0 or Q8_0; row `r` at
+/// `blk + r · row_bytes`, `row_bytes` possibly 0) into one slot of [`SLOT_BYTES`] at `out`: the
+/// 8 transposed code vectors (Q4_0 / Q4_1 nibbles and Q5_0 5-bit codes unsigned, Q8_0 codes
+/// signed) and the f32 vectors `d` and (Q4_1) `m`, as `x86::q8_rows8` computes them.
+///
+/// # Safety
+/// AVX2, FMA and F16C; a whole block at `blk + r · row_bytes` for r in 0..8; `SLOT_BYTES`
+/// writable bytes at `out`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn repack8_32(ty: BlockType, blk: *const u8, row_bytes: usize, out: *mut u8) {
+    let m4 = _mm256_set1_epi8(0x0F);
+    // SAFETY: the caller's contract.
+    unsafe {
+        let dm = transpose8x1(blk, row_bytes);
+        let d = halves_to_f32::<false>(dm);
+        let m = if ty == BlockType::Q4_1 { halves_to_f32::<true>(dm) } else { _mm256_setzero_ps() };
+        let mut w = [_mm256_setzero_si256(); 8];
+        match ty {
+            BlockType::Q8_0 => {
+                let lo = transpose8x4(blk.add(2), row_bytes);
+                let hi = transpose8x4(blk.add(18), row_bytes);
+                w[..4].copy_from_slice(&lo);
+                w[4..].copy_from_slice(&hi);
+            }
+            BlockType::Q5_0 => w = q5_0_codes8(blk, row_bytes),
+            _ => {
+                let v = transpose8x4(blk.add(if ty == BlockType::Q4_0 { 2 } else { 4 }), row_bytes);
+                for c in 0..4 {
+                    w[c] = _mm256_and_si256(v[c], m4);
+                    w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
+                }
+            }
+        }
+        for (g, v) in w.iter().enumerate() {
+            _mm256_storeu_si256(out.add(32 * g) as *mut __m256i, *v);
+        }
+        _mm256_storeu_ps(out.add(256) as *mut f32, d);
+        _mm256_storeu_ps(out.add(288) as *mut f32, m);
+    }
+}
+
+/// The body of the repacked 32-block kernels (`TY` 0: Q4_0, 1: Q4_1, 4: Q5_0, 2: Q8_0), written
+/// once for AVX2 and VNNI. `$acc(a, w, x)` adds the products of unsigned codes `w` and signed
+/// `x` to partial sums (AVX2: 16-bit, VNNI: 32-bit), `$fin` widens them to 32 bits; Q4 codes sum
+/// all 8 groups before `$fin` (30,480 fits 16 bits), Q5_0 4 at a time (31,496). `$q8(a, w, x)`
+/// adds Q8_0's signed products to 32-bit sums (AVX2: ggml's sign trick; VNNI: `w ^ 0x80`, then
+/// `− $q8off · Σ qx` once per block). Per (row, token) the float operations are those of
+/// `x86::q8_rows8` / `x86_512::q8_rows8` in the same order: the same bits.
+macro_rules! repacked32_body {
+    ($ty:ident, $t:ident, $pk:ident, $nblk:ident, $nb:ident, $xq:ident, $xd:ident, $xs:ident, $xi:ident, $stride:ident, $y:ident, $ys:ident, $rk:ident, $first:ident, $acc:expr, $fin:expr, $q8:expr, $q8off:expr) => {{
+        let mut acc = [_mm256_setzero_ps(); $t];
+        if !$first {
+            for k in 0..$t {
+                // SAFETY: the caller's `y` holds T rows of `rk` values spaced `ys`.
+                acc[k] = unsafe {
+                    if $rk == 8 { _mm256_loadu_ps($y.add(k * $ys)) } else { _mm256_set1_ps(*$y.add(k * $ys)) }
+                };
+            }
+        }
+        for b in 0..$nblk {
+            // SAFETY: slot b is inside the repacked span, block b of every token inside the
+            // activations (the caller's contract).
+            unsafe {
+                let p = $pk.add(b * SLOT_BYTES);
+                let w = |g: usize| _mm256_loadu_si256(p.add(32 * g) as *const __m256i);
+                let x = |k: usize, g: usize| _mm256_set1_epi32(($xq.add(k * $stride + b * BLOCK + 4 * g) as *const i32).read_unaligned());
+                let d = _mm256_loadu_ps(p.add(256) as *const f32);
+                let mut s = [_mm256_setzero_si256(); $t];
+                if $ty == 2 {
+                    for g in 0..8 {
+                        let wg = w(g);
+                        for k in 0..$t {
+                            s[k] = $q8(s[k], wg, x(k, g));
+                        }
+                    }
+                } else if $ty == 4 {
+                    for half in 0..2 {
+                        let mut a = [_mm256_setzero_si256(); $t];
+                        for g in 4 * half..4 * half + 4 {
+                            let wg = w(g);
+                            for k in 0..$t {
+                                a[k] = $acc(a[k], wg, x(k, g));
+                            }
+                        }
+                        for k in 0..$t {
+                            s[k] = _mm256_add_epi32(s[k], $fin(a[k]));
+                        }
+                    }
+                } else {
+                    for g in 0..8 {
+                        let wg = w(g);
+                        for k in 0..$t {
+                            s[k] = $acc(s[k], wg, x(k, g));
+                        }
+                    }
+                    for k in 0..$t {
+                        s[k] = $fin(s[k]);
+                    }
+                }
+                for k in 0..$t {
+                    let i = k * $nb + b;
+                    let off = match $ty {
+                        0 => 8,
+                        4 => 16,
+                        2 => $q8off,
+                        _ => 0,
+                    };
+                    let v = if off != 0 { _mm256_sub_epi32(s[k], _mm256_set1_epi32(off * *$xi.add(i))) } else { s[k] };
+                    let scale = _mm256_mul_ps(d, _mm256_set1_ps(*$xd.add(i)));
+                    acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), scale, acc[k]);
+                    if $ty == 1 {
+                        acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(288) as *const f32), _mm256_set1_ps(*$xs.add(i)), acc[k]);
+                    }
+                }
+            }
+        }
+        for k in 0..$t {
+            // SAFETY: as the load above.
+            unsafe {
+                if $rk == 8 {
+                    _mm256_storeu_ps($y.add(k * $ys), acc[k]);
+                } else {
+                    *$y.add(k * $ys) = _mm256_cvtss_f32(acc[k]);
+                }
+            }
+        }
+    }};
+}
+
+/// [`q8_repacked_avx2`] for the 32-block types: `nblk` repacked blocks ([`repack8_32`], one
+/// slot each) of one group of 8 rows, the same bits as `x86::q8_rows8`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `ty` Q4_0, Q4_1, Q5_0 or Q8_0; `nblk · SLOT_BYTES` readable bytes at
+/// `pk`; activations and `y` as [`q8_repacked_avx2`] (`nblk` blocks per token).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q8_repacked32_avx2<const T: usize>(
+    ty: BlockType,
+    pk: *const u8,
+    nblk: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    _xl: *const i32,
+    stride: usize,
+    y: *mut f32,
+    ys: usize,
+    rk: usize,
+    first: bool,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        match ty {
+            BlockType::Q4_0 => repacked32_avx2_t::<0, T>(pk, nblk, nb, xq, xd, xs, xi, stride, y, ys, rk, first),
+            BlockType::Q4_1 => repacked32_avx2_t::<1, T>(pk, nblk, nb, xq, xd, xs, xi, stride, y, ys, rk, first),
+            BlockType::Q5_0 => repacked32_avx2_t::<4, T>(pk, nblk, nb, xq, xd, xs, xi, stride, y, ys, rk, first),
+            _ => repacked32_avx2_t::<2, T>(pk, nblk, nb, xq, xd, xs, xi, stride, y, ys, rk, first),
+        }
+    }
+}
+
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn repacked32_avx2_t<const TY: u8, const T: usize>(
+    pk: *const u8,
+    nblk: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    stride: usize,
+    y: *mut f32,
+    ys: usize,
+    rk: usize,
+    first: bool,
+) {
+    let ones = _mm256_set1_epi16(1);
+    repacked32_body!(
+        TY,
+        T,
+        pk,
+        nblk,
+        nb,
+        xq,
+        xd,
+        xs,
+        xi,
+        stride,
+        y,
+        ys,
+        rk,
+        first,
+        |a: __m256i, w: __m256i, x: __m256i| _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x)),
+        |a: __m256i| _mm256_madd_epi16(a, ones),
+        |a: __m256i, w: __m256i, x: __m256i| _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones)),
+        0
+    )
+}
+
+/// [`q8_repacked32_avx2`] with AVX-512 VNNI: the same bits.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; otherwise as [`q8_repacked32_avx2`].
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q8_repacked32_vnni<const T: usize>(
+    ty: BlockType,
+    pk: *const u8,
+    nblk: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    _xl: *const i32,
+    stride: usize,
+    y: *mut f32,
+    ys: usize,
+    rk: usize,
+    first: bool,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        match ty {
+            BlockType::Q4_0 => repacked32_vnni_t::<0, T>(pk, nblk, nb, xq, xd, xs, xi, stride, y, ys, rk, first),
+            BlockType::Q4_1 => repacked32_vnni_t::<1, T>(pk, nblk, nb, xq, xd, xs, xi, stride, y, ys, rk, first),
+            BlockType::Q5_0 => repacked32_vnni_t::<4, T>(pk, nblk, nb, xq, xd, xs, xi, stride, y, ys, rk, first),
+            _ => repacked32_vnni_t::<2, T>(pk, nblk, nb, xq, xd, xs, xi, stride, y, ys, rk, first),
+        }
+    }
+}
+
+#[inline]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn repacked32_vnni_t<const TY: u8, const T: usize>(
+    pk: *const u8,
+    nblk: usize,
+    nb: usize,
+    xq: *const i8,
+    xd: *const f32,
+    xs: *const f32,
+    xi: *const i32,
+    stride: usize,
+    y: *mut f32,
+    ys: usize,
+    rk: usize,
+    first: bool,
+) {
+    let sign = _mm256_set1_epi8(-128);
+    repacked32_body!(
+        TY,
+        T,
+        pk,
+        nblk,
+        nb,
+        xq,
+        xd,
+        xs,
+        xi,
+        stride,
+        y,
+        ys,
+        rk,
+        first,
+        |a: __m256i, w: __m256i, x: __m256i| _mm256_dpbusd_epi32(a, w, x),
+        |a: __m256i| a,
+        |a: __m256i, w: __m256i, x: __m256i| _mm256_dpbusd_epi32(a, _mm256_xor_si256(w, sign), x),
+        128
     )
 }

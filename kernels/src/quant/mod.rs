@@ -231,10 +231,14 @@ const REPACK_T_AVX2: usize = 4;
 #[cfg(target_arch = "x86_64")]
 const REPACK_T_VNNI_Q4K: usize = 8;
 
-/// Super-blocks per span of the repacked k-quant kernels: 8 rows × 8 of them repacked are
-/// 20 KiB, which stay in L1 while all tokens pass.
+/// 32-weight blocks per span of the repacked kernels: 8 rows × 64 blocks repacked are 20 KiB,
+/// which stay in L1 while all tokens pass.
 #[cfg(target_arch = "x86_64")]
-const REPACK_K_SB: usize = 8;
+const REPACK_SPAN_BLOCKS: usize = 64;
+
+/// Tokens per pass of the repacked 32-block kernels with VNNI (AVX2: [`REPACK_T_AVX2`]).
+#[cfg(target_arch = "x86_64")]
+const REPACK_T_VNNI_32: usize = 8;
 
 /// A smaller tile's results in the top-left corner of a full tile.
 #[cfg(target_arch = "x86_64")]
@@ -1075,7 +1079,7 @@ impl PackedMatrix {
                 }
             }};
         }
-        if kquant && n >= REPACK_MIN_TOKENS {
+        if n >= REPACK_MIN_TOKENS {
             self.matmul_repacked_q8(qa, n, y, vnni);
             return;
         }
@@ -1117,14 +1121,15 @@ impl PackedMatrix {
         }
     }
 
-    /// The k-quant path of [`PackedMatrix::matmul_tiled_q8`] for `n >= REPACK_MIN_TOKENS`
-    /// tokens. Row chunks go to the team as in [`PackedMatrix::tiled`]; inside a chunk, each
-    /// group of 8 rows (a leftover row alone, in all 8 lanes) is repacked once
-    /// (`krepack::repack8`: codes transposed and unpacked to bytes, scales decoded) into a
-    /// per-task buffer; then, for each span of [`REPACK_K_SB`] super-blocks (~20 KiB repacked,
-    /// held in L1), every group of tokens passes over it, its running sums kept in `y` between
-    /// spans (loaded and stored in the same order, so the float operations and the bits are
-    /// those of one pass).
+    /// The path of [`PackedMatrix::matmul_tiled_q8`] for `n >= REPACK_MIN_TOKENS` tokens
+    /// (prefill). Row chunks go to the team as in [`PackedMatrix::tiled`]; inside a chunk, each
+    /// group of 8 rows (a leftover row alone, in all 8 lanes) is repacked once into a per-task
+    /// buffer (`krepack::repack8` for Q4_K / Q6_K super-blocks, `krepack::repack8_32` for
+    /// 32-weight blocks: codes transposed and unpacked to bytes, scales decoded); then, for each
+    /// span of [`REPACK_SPAN_BLOCKS`] blocks (~20 KiB repacked, held in L1), every group of
+    /// tokens passes over it, its running sums kept in `y` between spans (loaded and stored in
+    /// the same order, so the float operations and the bits are those of one pass, and those of
+    /// the per-token-group kernels that fewer tokens use).
     #[cfg(target_arch = "x86_64")]
     fn matmul_repacked_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32], vnni: bool) {
         /// 64-byte aligned storage, so that no 32-byte load of the buffer splits a cache line.
@@ -1133,10 +1138,13 @@ impl PackedMatrix {
         struct Line(#[allow(dead_code)] [u8; 64]);
         let (cols, rows, ty) = (self.cols, self.rows, self.ty);
         let nb = cols / BLOCK;
-        let nsb = nb / 8;
         let rb = self.row_bytes();
         let bb = ty.block_bytes();
-        let group_bytes = nsb * krepack::GROUP_SB_BYTES;
+        // Repacking units: a super-block of 8 slots (k-quants) or one 32-weight block.
+        let kquant = matches!(ty, BlockType::Q4_K | BlockType::Q6_K);
+        let (unit_blocks, unit_bytes) = if kquant { (8, krepack::GROUP_SB_BYTES) } else { (1, krepack::SLOT_BYTES) };
+        let units = nb / unit_blocks;
+        let group_bytes = units * unit_bytes;
         let chunk = self.chunk_rows(cols * n / 4).next_multiple_of(8);
         let yp = SyncPtr(y.as_mut_ptr());
         // Super-blocks k0 .. k0 + ks of the group at `pk` (rows r .. r + rk) with `$t` tokens
@@ -1144,14 +1152,14 @@ impl PackedMatrix {
         macro_rules! call {
             ($kernel:ident, $t:expr, $tok:expr, $pk:expr, $k0:expr, $ks:expr, $r:expr, $rk:expr) => {{
                 let (t, k0) = ($tok, $k0);
-                let (b0, i0) = (t * cols + k0 * 256, t * nb + k0 * 8);
+                let (b0, i0) = (t * cols + k0 * unit_blocks * BLOCK, t * nb + k0 * unit_blocks);
                 // SAFETY: the ISA was detected (`q8_isa()`, the VNNI kernel only with VNNI);
                 // `$pk` holds the group's super-blocks k0 .. k0 + ks; tokens t .. t + $t exist in
                 // `qa` and in y, whose rows r .. r + rk belong to this task only.
                 unsafe {
                     krepack::$kernel::<{ $t }>(
                         ty,
-                        $pk.add(k0 * krepack::GROUP_SB_BYTES),
+                        $pk.add(k0 * unit_bytes),
                         $ks,
                         nb,
                         qa.codes[b0..].as_ptr(),
@@ -1197,20 +1205,28 @@ impl PackedMatrix {
             while r < end {
                 // A group of 8 rows, or a leftover row in all lanes (row stride 0).
                 let (rk, stride) = if end - r >= 8 { (8, rb) } else { (1, 0) };
-                for sb in 0..nsb {
+                for u in 0..units {
+                    let (src, dst) = (self.data[r * rb + u * bb..].as_ptr(), pk.wrapping_add(u * unit_bytes));
                     // SAFETY: AVX2/FMA/F16C were detected (`q8_isa()`); rows r .. r + rk hold
-                    // super-block sb; the slot range is inside `buf`.
-                    unsafe { krepack::repack8(ty, self.data[r * rb + sb * bb..].as_ptr(), stride, pk.add(sb * krepack::GROUP_SB_BYTES)) };
+                    // unit u (a super-block, or a block); the slot range is inside `buf`.
+                    unsafe {
+                        if kquant {
+                            krepack::repack8(ty, src, stride, dst);
+                        } else {
+                            krepack::repack8_32(ty, src, stride, dst);
+                        }
+                    }
                 }
                 let pk = pk as *const u8;
-                for k0 in (0..nsb).step_by(REPACK_K_SB) {
-                    let ks = REPACK_K_SB.min(nsb - k0);
-                    if vnni && ty == BlockType::Q4_K {
-                        tokens!(q8_repacked_vnni, REPACK_T_VNNI_Q4K, pk, k0, ks, r, rk);
-                    } else if vnni {
-                        tokens!(q8_repacked_vnni, 4, pk, k0, ks, r, rk);
-                    } else {
-                        tokens!(q8_repacked_avx2, REPACK_T_AVX2, pk, k0, ks, r, rk);
+                let span = REPACK_SPAN_BLOCKS / unit_blocks;
+                for k0 in (0..units).step_by(span) {
+                    let ks = span.min(units - k0);
+                    match (kquant, vnni) {
+                        (true, true) if ty == BlockType::Q4_K => tokens!(q8_repacked_vnni, REPACK_T_VNNI_Q4K, pk, k0, ks, r, rk),
+                        (true, true) => tokens!(q8_repacked_vnni, 4, pk, k0, ks, r, rk),
+                        (true, false) => tokens!(q8_repacked_avx2, REPACK_T_AVX2, pk, k0, ks, r, rk),
+                        (false, true) => tokens!(q8_repacked32_vnni, REPACK_T_VNNI_32, pk, k0, ks, r, rk),
+                        (false, false) => tokens!(q8_repacked32_avx2, REPACK_T_AVX2, pk, k0, ks, r, rk),
                     }
                 }
                 r += rk;

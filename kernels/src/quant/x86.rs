@@ -485,7 +485,7 @@ pub(super) unsafe fn q5_0_codes8(blk: *const u8, row_bytes: usize) -> [__m256i; 
 /// The 8 f16 in the low (`HI = false`) or high halves of the 32-bit lanes of `v`, as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn halves_to_f32<const HI: bool>(v: __m256i) -> __m256 {
+pub(super) fn halves_to_f32<const HI: bool>(v: __m256i) -> __m256 {
     let pick = if HI {
         _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
     } else {
