@@ -91,5 +91,12 @@ fn decode(n: usize) {
             }
         }
     });
+    for (si, &(i, o)) in shapes.iter().enumerate() {
+        run(&format!("{i}x{o} x30"), i * o * 4 * 30, &mut |y| {
+            for l in &layers {
+                deco_kernels::dense::matmul(&x[..n * i], n, &l[si], i, o, &mut y[..n * o]).expect("matmul");
+            }
+        });
+    }
     run("LM head", head.len() * 4, &mut |y| deco_kernels::dense::matmul(&x[..n * 576], n, &head, 576, 49_152, y).expect("matmul"));
 }

@@ -70,26 +70,45 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
         let kc = inner.div_ceil(4 * threads).max(16).min(inner);
         let tasks = inner.div_ceil(kc);
         let isa = Isa::detect();
-        let mut part = vec![0.0f32; tasks * n * out];
-        crate::team::par_chunks_mut(&mut part, n * out, |k, acc| {
-            let rows = k * kc..((k + 1) * kc).min(inner);
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Isa::detect` found AVX2 and FMA.
-                Isa::Avx2 | Isa::Avx512 => unsafe { stream_avx2(x, n, w, inner, out, rows, acc) },
-                _ => stream(x, n, w, inner, out, rows, acc),
+        // The partial sums live in a buffer of the calling thread, reused across calls (no
+        // allocation, page faults or zeroing per call: each task's first rows overwrite it).
+        // (A call nested in another one on this thread, a task the pool ran while the caller
+        // waited, gets a buffer of its own.)
+        PARTIALS.with(|cell| {
+            let mut own = Vec::new();
+            let mut kept = cell.try_borrow_mut().ok();
+            let part = match kept.as_deref_mut() {
+                Some(v) => v,
+                None => &mut own,
+            };
+            if part.len() < tasks * n * out {
+                part.resize(tasks * n * out, 0.0);
             }
-        });
-        crate::team::par_chunks_mut(y, cols, |ci, yc| {
-            // `y` is [n, out]; chunk ci covers flat indices ci·cols ..; add the partials there.
-            let start = ci * cols;
-            for (j, v) in yc.iter_mut().enumerate() {
-                let mut sum = 0.0f32;
-                for k in 0..tasks {
-                    sum += part[k * n * out + start + j];
+            let part = &mut part[..tasks * n * out];
+            crate::team::par_chunks_mut(part, n * out, |k, acc| {
+                let rows = k * kc..((k + 1) * kc).min(inner);
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `Isa::detect` found AVX2 and FMA.
+                    Isa::Avx2 | Isa::Avx512 => unsafe { stream_avx2(x, n, w, inner, out, rows, acc) },
+                    _ => {
+                        acc.fill(0.0);
+                        stream(x, n, w, inner, out, rows, acc)
+                    }
                 }
-                *v = sum;
-            }
+            });
+            let part = &*part;
+            crate::team::par_chunks_mut(y, cols, |ci, yc| {
+                // `y` is [n, out]; chunk ci covers flat indices ci·cols ..; add the partials there.
+                let start = ci * cols;
+                for (j, v) in yc.iter_mut().enumerate() {
+                    let mut sum = 0.0f32;
+                    for k in 0..tasks {
+                        sum += part[k * n * out + start + j];
+                    }
+                    *v = sum;
+                }
+            });
         });
         return Ok(());
     }
@@ -308,9 +327,11 @@ fn stream(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, rows: std::o
     }
 }
 
-/// [`stream`] with AVX2 + FMA: four weight rows per pass over `acc` (four streams from memory,
-/// one load and one store of `acc` per four rows instead of per row), 32 columns per step;
-/// per element the same FMAs in the same row order as [`stream`], so the same bits.
+/// [`stream`] with AVX2 + FMA, `acc` overwritten (its contents on entry are not read): four
+/// weight rows per pass over `acc` (four streams from memory, one load and one store of `acc`
+/// per four rows instead of per row; the first pass starts from zero registers), 32 columns
+/// per step; per element the same FMAs in the same row order as [`stream`] from a zero `acc`,
+/// so the same bits.
 ///
 /// # Safety
 /// AVX2 and FMA must be available; `x` is `[n, inner]`, `w` `[inner, out]`, `acc` `[n, out]`,
@@ -322,7 +343,11 @@ unsafe fn stream_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
     use std::arch::x86_64::*;
     debug_assert!(rows.end <= inner && w.len() >= inner * out && x.len() >= n * inner && acc.len() >= n * out);
     let mut i = rows.start;
+    if rows.len() < 4 {
+        acc[..n * out].fill(0.0);
+    }
     while i + 4 <= rows.end {
+        let first = i == rows.start;
         let wp = w[i * out..].as_ptr();
         for t in 0..n {
             let xs = [x[t * inner + i], x[t * inner + i + 1], x[t * inner + i + 2], x[t * inner + i + 3]];
@@ -335,7 +360,7 @@ unsafe fn stream_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
                 while j + 32 <= out {
                     for u in 0..4 {
                         let c = j + 8 * u;
-                        let mut a = _mm256_loadu_ps(ap.add(c));
+                        let mut a = if first { _mm256_setzero_ps() } else { _mm256_loadu_ps(ap.add(c)) };
                         for r in 0..4 {
                             a = _mm256_fmadd_ps(xv[r], _mm256_loadu_ps(wp.add(r * out + c)), a);
                         }
@@ -344,7 +369,7 @@ unsafe fn stream_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
                     j += 32;
                 }
                 while j + 8 <= out {
-                    let mut a = _mm256_loadu_ps(ap.add(j));
+                    let mut a = if first { _mm256_setzero_ps() } else { _mm256_loadu_ps(ap.add(j)) };
                     for r in 0..4 {
                         a = _mm256_fmadd_ps(xv[r], _mm256_loadu_ps(wp.add(r * out + j)), a);
                     }
@@ -352,7 +377,7 @@ unsafe fn stream_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
                     j += 8;
                 }
                 for c in j..out {
-                    let mut a = *ap.add(c);
+                    let mut a = if first { 0.0 } else { *ap.add(c) };
                     for r in 0..4 {
                         a = xs[r].mul_add(*wp.add(r * out + c), a);
                     }
@@ -465,6 +490,9 @@ unsafe fn gemm_avx512(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, 
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
+    /// The split-K partial sums of [`matmul`]'s streaming path, `[tasks, n, out]`, kept by the
+    /// calling thread between calls.
+    static PARTIALS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The packed weight block (`KC × NC`) and token panel (`KC × MR`) of [`gemm_avx512`], one
     /// pair per worker thread, reused across calls (a fresh 1.1 MiB block per task cost page
     /// faults and zeroing comparable to a small projection's arithmetic). Every element a tile
