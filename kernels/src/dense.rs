@@ -15,11 +15,15 @@
 //!   micro-kernel shape, transposed for a row-major `y`), a 12-token × 32-column tile in 24
 //!   vector accumulators: 220-250 GFLOP/s on 2 cores of an Intel Xeon with AVX-512, against
 //!   140-170 for the `gemm` crate (`dense_bench`).
-//! - More tokens otherwise: the `gemm` crate (the f32 micro-kernels burn-flex uses), one call
-//!   per rayon task on its range of output columns.
+//! - More tokens with AVX2 + FMA (no AVX-512): the same blocking with a 6-token × 16-column
+//!   tile in 12 vector accumulators ([`gemm_avx2`], BLIS's Haswell sgemm kernel shape), which
+//!   replaced the `gemm` crate there (on the AMD EPYC Zen 4 of 2026-12-07 with
+//!   `DECO_KERNELS=avx2`, see `docs/performance.md`).
+//! - Otherwise (no AVX2, other architectures): the `gemm` crate (the f32 micro-kernels
+//!   burn-flex uses), one call per rayon task on its range of output columns.
 //!
 //! A token's result depends on which path ran (the summation orders differ by f32 rounding),
-//! not on the other tokens of the call within the streaming and the AVX-512 paths, nor on the
+//! not on the other tokens of the call within the streaming, AVX-512 and AVX2 paths, nor on the
 //! thread count.
 
 use rayon::prelude::*;
@@ -43,6 +47,17 @@ const MIN_COLS: usize = 256;
 /// # Errors
 /// [`Error::Length`] when a slice does not have the length its shape implies.
 pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut [f32]) -> Result<()> {
+    matmul_with(x, n, w, inner, out, y, Isa::detect())
+}
+
+/// [`matmul`] with an explicit instruction set (for tests and benchmarks: the AVX2 kernels on an
+/// AVX-512 CPU); one this CPU lacks falls back to [`Isa::Scalar`] (the portable loop and the
+/// `gemm` crate).
+///
+/// # Errors
+/// As [`matmul`].
+pub fn matmul_with(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut [f32], isa: Isa) -> Result<()> {
+    let isa = if isa.is_available() { isa } else { Isa::Scalar };
     if x.len() != n * inner {
         return Err(Error::Length { what: "dense x", expected: n * inner, actual: x.len() });
     }
@@ -69,7 +84,6 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
         // The cut depends on the shape and the thread count only, not on `n`.
         let kc = inner.div_ceil(4 * threads).max(16).min(inner);
         let tasks = inner.div_ceil(kc);
-        let isa = Isa::detect();
         // The partial sums live in a buffer of the calling thread, reused across calls (no
         // allocation, page faults or zeroing per call: each task's first rows overwrite it).
         // (A call nested in another one on this thread, a task the pool ran while the caller
@@ -89,7 +103,7 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
                 let rows = k * kc..((k + 1) * kc).min(inner);
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `Isa::detect` found AVX2 and FMA.
+                    // SAFETY: AVX2 and FMA are available (`isa` was checked above).
                     Isa::Avx2 | Isa::Avx512 => unsafe { stream_avx2(x, n, w, inner, out, rows, acc) },
                     _ => {
                         acc.fill(0.0);
@@ -113,10 +127,18 @@ pub fn matmul(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut 
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx512 {
-        // SAFETY: `Isa::detect` found AVX-512 F; the lengths were checked above.
-        unsafe { gemm_avx512(x, n, w, inner, out, y) };
-        return Ok(());
+    match isa {
+        // SAFETY: AVX-512 F is available (checked above); the lengths were checked above.
+        Isa::Avx512 => {
+            unsafe { gemm_avx512(x, n, w, inner, out, y) };
+            return Ok(());
+        }
+        // SAFETY: AVX2 and FMA are available (checked above); the lengths were checked above.
+        Isa::Avx2 => {
+            unsafe { gemm_avx2(x, n, w, inner, out, y) };
+            return Ok(());
+        }
+        Isa::Scalar => {}
     }
     crate::team::par_for(out.div_ceil(cols), |ci| {
         let c0 = ci * cols;
@@ -412,12 +434,18 @@ pub(crate) const NC: usize = 512;
 /// The cut depends on the shape and the thread count; the kernels' sums do not depend on it.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn par_output_tiles(n: usize, out: usize, f: impl Fn(usize, usize, usize, usize) + Sync) {
+    par_output_tiles_of(n, out, MR, NR, f);
+}
+
+/// [`par_output_tiles`] for register tiles of `mr` tokens × `nr` columns.
+#[cfg(target_arch = "x86_64")]
+fn par_output_tiles_of(n: usize, out: usize, mr: usize, nr: usize, f: impl Fn(usize, usize, usize, usize) + Sync) {
     let threads = rayon::current_num_threads().max(1);
     let target = 4 * threads;
-    let col_chunk = out.div_ceil(target).next_multiple_of(NR).max(128).min(out.next_multiple_of(NR));
+    let col_chunk = out.div_ceil(target).next_multiple_of(nr).max(128).min(out.next_multiple_of(nr));
     let col_tasks = out.div_ceil(col_chunk);
-    let tok_tasks = target.div_ceil(col_tasks).min(n.div_ceil(MR)).max(1);
-    let tok_chunk = n.div_ceil(tok_tasks).next_multiple_of(MR);
+    let tok_tasks = target.div_ceil(col_tasks).min(n.div_ceil(mr)).max(1);
+    let tok_chunk = n.div_ceil(tok_tasks).next_multiple_of(mr);
     let tok_tasks = n.div_ceil(tok_chunk);
     crate::team::par_for(tok_tasks * col_tasks, |task| {
         let (ti, ci) = (task / col_tasks, task % col_tasks);
@@ -425,61 +453,93 @@ pub(crate) fn par_output_tiles(n: usize, out: usize, f: impl Fn(usize, usize, us
     });
 }
 
-/// `y = x · w` for `n > SMALL_N` with AVX-512 F (see [`matmul`] for the shapes).
-///
-/// Work is cut into rayon tasks over (token range, column range), at least 4 per thread. In a
-/// task, for each block of [`NC`] columns and [`KC`] inner rows: the weight block is packed into
-/// strips of [`NR`] columns (`[KC][NR]`, zero-padded), then each group of [`MR`] tokens is
-/// multiplied with every strip by [`tile_avx512`], reading the tokens' rows in place (the last,
-/// partial group packed with zero rows). Every output is `Σ` over the inner blocks in order of
-/// one FMA chain per block, so its bits depend on neither the tiling, the other tokens nor the
-/// thread count.
+/// The signature of a register tile of [`gemm_tiled`]: `tile(kc, a, rs, cs, wp, y, ldy, mr, nv,
+/// first)`, see [`tile_avx512`].
+#[cfg(target_arch = "x86_64")]
+type TileFn = unsafe fn(usize, *const f32, usize, usize, *const f32, *mut f32, usize, usize, usize, bool);
+
+/// `y = x · w` for `n > SMALL_N` with AVX-512 F (see [`matmul`] for the shapes): [`gemm_tiled`]
+/// with [`tile_avx512`] (12 tokens × 32 columns).
 ///
 /// # Safety
 /// AVX-512 F must be available; `x`, `w`, `y` must have the lengths `matmul` checks.
 #[cfg(target_arch = "x86_64")]
 unsafe fn gemm_avx512(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut [f32]) {
+    // SAFETY: forwarded; `tile_avx512` is a tile of MR × NR.
+    unsafe { gemm_tiled::<MR, NR>(x, n, w, inner, out, y, tile_avx512) }
+}
+
+/// `y = x · w` for `n > SMALL_N` with AVX2 + FMA: [`gemm_tiled`] with [`tile_avx2`] (6 tokens ×
+/// 16 columns in 12 of the 16 vector registers, the shape of BLIS's Haswell sgemm kernel).
+///
+/// # Safety
+/// AVX2 and FMA must be available; `x`, `w`, `y` must have the lengths `matmul` checks.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gemm_avx2(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut [f32]) {
+    // SAFETY: forwarded; `tile_avx2` is a tile of MR_AVX2 × NR_AVX2.
+    unsafe { gemm_tiled::<MR_AVX2, NR_AVX2>(x, n, w, inner, out, y, tile_avx2) }
+}
+
+/// Tokens × columns of [`tile_avx2`].
+#[cfg(target_arch = "x86_64")]
+const MR_AVX2: usize = 6;
+#[cfg(target_arch = "x86_64")]
+const NR_AVX2: usize = 16;
+
+/// The blocked product of [`gemm_avx512`] and [`gemm_avx2`], for register tiles of `M` tokens ×
+/// `N` columns (`M <= MR`).
+///
+/// Work is cut into tasks over (token range, column range), at least 4 per thread. In a task,
+/// for each block of [`NC`] columns and [`KC`] inner rows: the weight block is packed into
+/// strips of `N` columns (`[KC][N]`, zero-padded), then each group of `M` tokens is multiplied
+/// with every strip by `tile`, reading the tokens' rows in place (the last, partial group
+/// packed with zero rows). Every output is `Σ` over the inner blocks in order of one FMA chain
+/// per block, so its bits depend on neither the tiling, the other tokens nor the thread count.
+///
+/// # Safety
+/// The CPU runs `tile`, a tile of `M × N`; `x`, `w`, `y` must have the lengths `matmul` checks.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gemm_tiled<const M: usize, const N: usize>(x: &[f32], n: usize, w: &[f32], inner: usize, out: usize, y: &mut [f32], tile: TileFn) {
     let yp = SyncPtr(y.as_mut_ptr());
-    par_output_tiles(n, out, |t0, t1, c0, c1| {
+    par_output_tiles_of(n, out, M, N, |t0, t1, c0, c1| {
         PANELS.with(|panels| {
             let mut panels = panels.borrow_mut();
             let (wp, xp) = &mut *panels;
             wp.resize(KC * NC, 0.0);
-            xp.resize(KC * MR, 0.0);
+            xp.resize(KC * M, 0.0);
             for nc0 in (c0..c1).step_by(NC) {
                 let nc1 = (nc0 + NC).min(c1);
-                let strips = (nc1 - nc0).div_ceil(NR);
+                let strips = (nc1 - nc0).div_ceil(N);
                 for pc in (0..inner).step_by(KC) {
                     let kc = KC.min(inner - pc);
-                    // Pack w[pc .. pc + kc, nc0 .. nc1] into strips [s][k][NR], zero past nc1.
+                    // Pack w[pc .. pc + kc, nc0 .. nc1] into strips [s][k][N], zero past nc1.
                     for s in 0..strips {
-                        let (j0, j1) = (nc0 + s * NR, (nc0 + (s + 1) * NR).min(nc1));
-                        let strip = &mut wp[s * KC * NR..s * KC * NR + kc * NR];
-                        pack_columns::<NR>(&w[pc * out..(pc + kc) * out], out, j0, j1, strip);
+                        let (j0, j1) = (nc0 + s * N, (nc0 + (s + 1) * N).min(nc1));
+                        let strip = &mut wp[s * KC * N..s * KC * N + kc * N];
+                        pack_columns::<N>(&w[pc * out..(pc + kc) * out], out, j0, j1, strip);
                     }
-                    for m0 in (t0..t1).step_by(MR) {
-                        let mr = MR.min(t1 - m0);
+                    for m0 in (t0..t1).step_by(M) {
+                        let mr = M.min(t1 - m0);
                         // A full group of tokens is read in place (row stride `inner`); the last,
-                        // partial group is packed transposed into [k][MR] with zero rows past mr.
-                        let (a, rs, cs) = if mr == MR {
+                        // partial group is packed transposed into [k][M] with zero rows past mr.
+                        let (a, rs, cs) = if mr == M {
                             (x[m0 * inner + pc..].as_ptr(), inner, 1)
                         } else {
-                            for i in 0..MR {
+                            for i in 0..M {
                                 for k in 0..kc {
-                                    xp[k * MR + i] = if i < mr { x[(m0 + i) * inner + pc + k] } else { 0.0 };
+                                    xp[k * M + i] = if i < mr { x[(m0 + i) * inner + pc + k] } else { 0.0 };
                                 }
                             }
-                            (xp.as_ptr(), 1, MR)
+                            (xp.as_ptr(), 1, M)
                         };
                         for s in 0..strips {
-                            let j0 = nc0 + s * NR;
-                            let nv = NR.min(nc1 - j0);
+                            let j0 = nc0 + s * N;
+                            let nv = N.min(nc1 - j0);
                             // SAFETY: rows m0 .. m0 + mr, columns j0 .. j0 + nv of y belong to this
-                            // task only; `a` reaches MR rows of kc values (x's rows m0 .. m0 + MR,
-                            // or the packed panel), the weight strip kc · NR floats.
-                            unsafe {
-                                tile_avx512(kc, a, rs, cs, wp.as_ptr().add(s * KC * NR), yp.get().add(m0 * out + j0), out, mr, nv, pc == 0)
-                            };
+                            // task only; `a` reaches M rows of kc values (x's rows m0 .. m0 + M,
+                            // or the packed panel), the weight strip kc · N floats; the caller
+                            // guarantees the CPU runs `tile`.
+                            unsafe { tile(kc, a, rs, cs, wp.as_ptr().add(s * KC * N), yp.get().add(m0 * out + j0), out, mr, nv, pc == 0) };
                         }
                     }
                 }
@@ -529,6 +589,57 @@ unsafe fn tile_avx512(kc: usize, a: *const f32, rs: usize, cs: usize, wp: *const
     }
     // SAFETY: forwarded from the caller.
     unsafe { store_tile(&acc, y, ldy, mr, nv, first) };
+}
+
+/// [`tile_avx512`] with AVX2 + FMA for a tile of [`MR_AVX2`] tokens × [`NR_AVX2`] columns:
+/// `acc[i, j] = Σ_k a[i·rs + k·cs] · wp[k, j]` (one FMA chain each, in `k` order), then
+/// `y[i, j] = acc` (`first`) or `y[i, j] += acc` for the first `mr` rows and `nv` columns.
+///
+/// # Safety
+/// AVX2 and FMA; `a[i·rs + k·cs]` is readable for `i < MR_AVX2`, `k < kc`; `wp` holds
+/// `kc · NR_AVX2` floats; `y` (row stride `ldy`) is writable for `mr` rows of `nv` columns.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx2(kc: usize, a: *const f32, rs: usize, cs: usize, wp: *const f32, y: *mut f32, ldy: usize, mr: usize, nv: usize, first: bool) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR_AVX2];
+    // SAFETY: i < MR_AVX2 rows of `a`.
+    let rows: [*const f32; MR_AVX2] = std::array::from_fn(|i| unsafe { a.add(i * rs) });
+    for k in 0..kc {
+        // SAFETY (whole block): k < kc, so the reads stay inside `a` and the packed strip.
+        unsafe {
+            let b0 = _mm256_loadu_ps(wp.add(k * NR_AVX2));
+            let b1 = _mm256_loadu_ps(wp.add(k * NR_AVX2 + 8));
+            for (row, p) in acc.iter_mut().zip(rows) {
+                let ai = _mm256_set1_ps(*p.add(k * cs));
+                row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
+                row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+            }
+        }
+    }
+    let mut tmp = [0.0f32; NR_AVX2];
+    for (i, row) in acc.iter().enumerate().take(mr) {
+        // SAFETY: row i < mr of y, columns below nv (the caller's contract); `tmp` is local.
+        unsafe {
+            let p = y.add(i * ldy);
+            if nv == NR_AVX2 {
+                let (mut v0, mut v1) = (row[0], row[1]);
+                if !first {
+                    v0 = _mm256_add_ps(_mm256_loadu_ps(p), v0);
+                    v1 = _mm256_add_ps(_mm256_loadu_ps(p.add(8)), v1);
+                }
+                _mm256_storeu_ps(p, v0);
+                _mm256_storeu_ps(p.add(8), v1);
+            } else {
+                _mm256_storeu_ps(tmp.as_mut_ptr(), row[0]);
+                _mm256_storeu_ps(tmp.as_mut_ptr().add(8), row[1]);
+                for (j, &v) in tmp.iter().enumerate().take(nv) {
+                    *p.add(j) = if first { v } else { *p.add(j) + v };
+                }
+            }
+        }
+    }
 }
 
 /// The end of a register tile ([`tile_avx512`], [`crate::bf16`]'s): `y[i, j] = acc[i, j]`

@@ -7,7 +7,8 @@
 //! instead).
 
 use deco_kernels::bf16::{self, PackedBf16, from_bf16_bits, to_bf16_bits};
-use deco_kernels::dense::{SMALL_N, gram, matmul};
+use deco_kernels::dense::{SMALL_N, gram, matmul, matmul_with};
+use deco_kernels::quant::Isa;
 use deco_kernels::error::Error;
 use proptest::prelude::*;
 
@@ -110,52 +111,57 @@ fn gram_rejects_a_wrong_length() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
-    /// The prefill path (`n > SMALL_N`; deco's AVX-512 tile where the CPU has it) across its
-    /// blocks: tokens past one 12-token tile, inner sizes past one 384-row block, column tails
-    /// of every width modulo 32 and past one 512-column block.
+    /// The prefill path (`n > SMALL_N`) on every instruction set this CPU has (deco's AVX-512
+    /// and AVX2 tiles, the `gemm` crate) across its blocks: tokens past one 12-token tile,
+    /// inner sizes past one 576-row block, column tails of every width modulo 32 and past one
+    /// 512-column block.
     #[test]
     fn prefill_path_matches_f64_reference(n in (SMALL_N + 1)..=40, inner in 1usize..=900, out in 1usize..=600, seed in any::<u64>()) {
         let x = values(seed, n * inner);
         let w = values(seed ^ 0xAAAA, inner * out);
-        let mut y = vec![f32::NAN; n * out];
-        matmul(&x, n, &w, inner, out, &mut y).expect("matmul");
-        for t in 0..n {
-            for j in 0..out {
-                let (got, want) = (y[t * out + j], matmul_ref(&x, &w, inner, out, t, j, exact));
-                prop_assert!(close(got, want), "n={n} inner={inner} out={out} ({t},{j}): {got} vs {want:?}");
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512] {
+            let mut y = vec![f32::NAN; n * out];
+            matmul_with(&x, n, &w, inner, out, &mut y, isa).expect("matmul");
+            for t in 0..n {
+                for j in 0..out {
+                    let (got, want) = (y[t * out + j], matmul_ref(&x, &w, inner, out, t, j, exact));
+                    prop_assert!(close(got, want), "{isa:?} n={n} inner={inner} out={out} ({t},{j}): {got} vs {want:?}");
+                }
             }
         }
     }
 }
 
-/// On AVX-512 the prefill path gives a token the same bits whatever the other tokens of the
-/// call and the thread count (one FMA chain per output and inner block, blocks added in order).
+/// With AVX-512 or AVX2 the prefill path gives a token the same bits whatever the other tokens
+/// of the call and the thread count (one FMA chain per output and inner block, blocks added in
+/// order).
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn avx512_prefill_path_is_batch_and_thread_invariant() {
-    use deco_kernels::quant::Isa;
-    if Isa::detect() != Isa::Avx512 {
-        eprintln!("no AVX-512 on this CPU (or DECO_KERNELS caps it): the gemm crate runs, which is not batch-invariant");
-        return;
+fn simd_prefill_paths_are_batch_and_thread_invariant() {
+    for isa in [Isa::Avx2, Isa::Avx512] {
+        if !isa.is_available() {
+            eprintln!("no {isa:?} on this CPU: skipped (the gemm crate runs there, which is not batch-invariant)");
+            continue;
+        }
+        let (inner, out) = (1000, 777);
+        let w = values(7, inner * out);
+        let big = values(11, 53 * inner);
+        let mut y_big = vec![0.0f32; 53 * out];
+        matmul_with(&big, 53, &w, inner, out, &mut y_big, isa).expect("matmul");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for t in [0, 5, 6, 11, 12, 40, 52] {
+            // Token t of the big call, now the last of SMALL_N + 1 tokens with other companions.
+            let mut small = values(100 + t as u64, SMALL_N * inner);
+            small.extend_from_slice(&big[t * inner..(t + 1) * inner]);
+            let mut y = vec![0.0f32; (SMALL_N + 1) * out];
+            matmul_with(&small, SMALL_N + 1, &w, inner, out, &mut y, isa).expect("matmul");
+            assert_eq!(bits(&y[SMALL_N * out..]), bits(&y_big[t * out..(t + 1) * out]), "{isa:?} token {t}");
+        }
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+        let mut y1 = vec![0.0f32; 53 * out];
+        one.install(|| matmul_with(&big, 53, &w, inner, out, &mut y1, isa)).expect("matmul");
+        assert_eq!(bits(&y1), bits(&y_big), "{isa:?}: one thread against the default pool");
     }
-    let (inner, out) = (1000, 777);
-    let w = values(7, inner * out);
-    let big = values(11, 53 * inner);
-    let mut y_big = vec![0.0f32; 53 * out];
-    matmul(&big, 53, &w, inner, out, &mut y_big).expect("matmul");
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for t in [0, 11, 12, 40, 52] {
-        // Token t of the big call, now the last of SMALL_N + 1 tokens with other companions.
-        let mut small = values(100 + t as u64, SMALL_N * inner);
-        small.extend_from_slice(&big[t * inner..(t + 1) * inner]);
-        let mut y = vec![0.0f32; (SMALL_N + 1) * out];
-        matmul(&small, SMALL_N + 1, &w, inner, out, &mut y).expect("matmul");
-        assert_eq!(bits(&y[SMALL_N * out..]), bits(&y_big[t * out..(t + 1) * out]), "token {t}");
-    }
-    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
-    let mut y1 = vec![0.0f32; 53 * out];
-    one.install(|| matmul(&big, 53, &w, inner, out, &mut y1)).expect("matmul");
-    assert_eq!(bits(&y1), bits(&y_big), "one thread against the default pool");
 }
 
 /// The Gram matrix across several token blocks (1,300 tokens: the AVX-512 path's blocks of 576

@@ -35,7 +35,12 @@
 //!   `vpmaddubsw` + `vpmaddwd`, with the same bits), as llama.cpp does. Every type goes 8 rows
 //!   at a time, one row per 32-bit lane (codes transposed in registers, the next rows
 //!   prefetched; Q4_K / Q6_K scales decoded once per super-block for the 8 rows), which makes
-//!   single-token decode bound by memory bandwidth. About 2× faster than the f32 path at one token, but
+//!   single-token decode bound by memory bandwidth. From `REPACK_MIN_TOKENS` (8) tokens on
+//!   (prefill), each group of 8 rows is first repacked once per call into a per-task buffer
+//!   (`krepack.rs`: codes transposed and unpacked to bytes, scales decoded to f32, llama.cpp's
+//!   `REPACK` idea done per call so that the stored matrix stays the GGUF blocks), and every
+//!   group of tokens reads that copy in spans of 64 blocks held in L1; the same bits as the
+//!   per-token-group kernels. About 2× faster than the f32 path at one token, but
 //!   each activation carries a rounding error of up to `max|x_block| / 254`, so logits move by
 //!   ~1e-2 instead of ~1e-6;
 //!   the golden-logit bound of deco's tests (2e-3) is for the default f32 path.
