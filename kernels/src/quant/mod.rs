@@ -54,6 +54,74 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
+/// Visits the eight 32-weight sub-blocks of one Q4_K (`$ty` 3) or Q6_K (5) super-block of 8
+/// rows (row `r` at `$blk + r · $rb`, `$rb` possibly 0), one row per 32-bit lane, calling
+/// `$f(s, &w, da, db)` with sub-block `s`, its 8 transposed code vectors `w` (vector `g`:
+/// weights `4g .. 4g + 4`; Q4_K's 4-bit codes, Q6_K's 6-bit codes before the `− 32`) and its
+/// scale vectors: Q4_K `d·sc` and `dmin·m` (6-bit scales and minima decoded with ggml's `kmask`
+/// shuffle of the 12-byte field on all 8 rows at once, `ggml_vec_dot_q4_K_q8_K`), Q6_K `d·sc`
+/// of weights 0..16 and of 16..32. Q4_K in the order 0..8; Q6_K 0, 2, 1, 3, 4, 6, 5, 7 (the two
+/// nibbles of a `ql` byte run are sub-blocks `s` and `s + 2`). Shared by the k-quant kernels
+/// (`q8_rows8_k_body!`) and the repacking of `krepack.rs`, so both see the same codes and
+/// scales. Expanded inside an `unsafe` block of an AVX2 + FMA + F16C function whose caller
+/// guarantees the 8 whole blocks.
+#[cfg(target_arch = "x86_64")]
+macro_rules! kquant_sub_blocks {
+    ($ty:expr, $blk:expr, $rb:expr, $f:ident) => {{
+        use crate::quant::x86::{byte_f32, q4k_scales8, q6k_d8, q6k_high_bits, transpose8x4};
+        use crate::quant::{Q6K_QH, Q6K_SCALES};
+        let (blk, rb) = ($blk, $rb);
+        let m4 = _mm256_set1_epi8(0x0F);
+        if $ty == 3 {
+            let (d, dmin, sc, mn) = q4k_scales8(blk, rb);
+            for j in 0..4 {
+                // Sub-blocks 2j (low nibbles) and 2j + 1 (high) share these 32 bytes.
+                let v = transpose8x4(blk.add(16 + 32 * j), rb);
+                let u = transpose8x4(blk.add(32 + 32 * j), rb);
+                for h in 0..2 {
+                    let s = 2 * j + h;
+                    let nib = |c: __m256i| _mm256_and_si256(if h == 0 { c } else { _mm256_srli_epi16(c, 4) }, m4);
+                    let w = [nib(v[0]), nib(v[1]), nib(v[2]), nib(v[3]), nib(u[0]), nib(u[1]), nib(u[2]), nib(u[3])];
+                    let dsc = _mm256_mul_ps(d, byte_f32::<false>(sc[s / 4], s % 4));
+                    let dmn = _mm256_mul_ps(dmin, byte_f32::<false>(mn[s / 4], s % 4));
+                    $f(s, &w, dsc, dmn);
+                }
+            }
+        } else {
+            let d = q6k_d8(blk, rb);
+            let sv = transpose8x4(blk.add(Q6K_SCALES), rb);
+            for h in 0..2 {
+                // The high 2 bits of the half's 4 sub-blocks (weights 0..16, 16..32).
+                let qa = transpose8x4(blk.add(Q6K_QH + 32 * h), rb);
+                let qb = transpose8x4(blk.add(Q6K_QH + 32 * h + 16), rb);
+                for p in 0..2 {
+                    // Sub-blocks 4h + p (low nibbles) and 4h + p + 2 (high) share these.
+                    let la = transpose8x4(blk.add(64 * h + 32 * p), rb);
+                    let lb = transpose8x4(blk.add(64 * h + 32 * p + 16), rb);
+                    for n in 0..2 {
+                        let g = p + 2 * n;
+                        let s = 4 * h + g;
+                        let code = |l: __m256i, q: __m256i| _mm256_or_si256(_mm256_and_si256(if n == 0 { l } else { _mm256_srli_epi16(l, 4) }, m4), q6k_high_bits(q, g));
+                        let w = [
+                            code(la[0], qa[0]),
+                            code(la[1], qa[1]),
+                            code(la[2], qa[2]),
+                            code(la[3], qa[3]),
+                            code(lb[0], qb[0]),
+                            code(lb[1], qb[1]),
+                            code(lb[2], qb[2]),
+                            code(lb[3], qb[3]),
+                        ];
+                        let dlo = _mm256_mul_ps(d, byte_f32::<true>(sv[s / 2], 2 * (s % 2)));
+                        let dhi = _mm256_mul_ps(d, byte_f32::<true>(sv[s / 2], 2 * (s % 2) + 1));
+                        $f(s, &w, dlo, dhi);
+                    }
+                }
+            }
+        }
+    }};
+}
+
 /// The body of the 8-bit-activation k-quant kernels over 8 rows of Q4_K (`TY` 3) or Q6_K (5),
 /// one row per 32-bit lane (the layout of `q8_rows8`), written once for `x86_512::q8_rows8_k`
 /// (VNNI) and `x86::q8_rows8_k` (AVX2). They differ only in `$dot(w, x)`: the 8 i32 lanes of
@@ -61,10 +129,9 @@ use crate::error::{Error, Result};
 /// `x[g]` (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`), exact in both, so both kernels give the
 /// same bits.
 ///
-/// Per super-block (256 weights) the 8 rows' scales are decoded once into vectors, one row per
-/// lane: Q4_K's 6-bit scales and minima with ggml's `kmask` shuffle of the 12-byte field
-/// (`ggml_vec_dot_q4_K_q8_K`) on all 8 rows at once, Q6_K's 16 signed 8-bit scales; `d` and
-/// `dmin` are folded in. Per 32-weight sub-block `s` and token (activation block `i`):
+/// Per super-block (256 weights) the 8 rows' codes and scales come from `kquant_sub_blocks!`
+/// (scales decoded once into vectors, `d` and `dmin` folded in). Per 32-weight sub-block `s` and
+/// token (activation block `i`):
 /// - Q4_K: `acc += (d·sc_s · dx_i)·Σ q·qx − (dmin·m_s)·(dx_i·Σ qx)`;
 /// - Q6_K (unsigned 6-bit codes `q`, weight `d·sc·(q − 32)`, a scale per 16 weights):
 ///   `acc += (d·sc_{2s} · dx_i)·(Σ_{0..16} q·qx − 32·Σ_{0..16} qx) + (d·sc_{2s+1} · dx_i)·(Σ_{16..32}
@@ -79,10 +146,8 @@ use crate::error::{Error, Result};
 #[cfg(target_arch = "x86_64")]
 macro_rules! q8_rows8_k_body {
     ($ty:ident, $t:ident, $rows:ident, $rb:ident, $nb:ident, $xq:ident, $xd:ident, $xs:ident, $xi:ident, $xl:ident, $stride:ident, $dot:expr) => {{
-        use crate::quant::x86::{byte_f32, q4k_scales8, q6k_d8, q6k_high_bits, transpose8x4};
-        use crate::quant::{BLOCK, BlockType, Q6K_QH, Q6K_SCALES};
+        use crate::quant::{BLOCK, BlockType};
         let bb = if $ty == 3 { BlockType::Q4_K } else { BlockType::Q6_K }.block_bytes();
-        let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); $t];
         for sb in 0..$nb / 8 {
             // SAFETY: sb < nb / 8: the 8 rows' super-block sb and each token's blocks
@@ -132,53 +197,7 @@ macro_rules! q8_rows8_k_body {
                         }
                     }
                 };
-                if $ty == 3 {
-                    let (d, dmin, sc, mn) = q4k_scales8(blk, $rb);
-                    for j in 0..4 {
-                        // Sub-blocks 2j (low nibbles) and 2j + 1 (high) share these 32 bytes.
-                        let v = transpose8x4(blk.add(16 + 32 * j), $rb);
-                        let u = transpose8x4(blk.add(32 + 32 * j), $rb);
-                        for h in 0..2 {
-                            let s = 2 * j + h;
-                            let nib = |c: __m256i| _mm256_and_si256(if h == 0 { c } else { _mm256_srli_epi16(c, 4) }, m4);
-                            let w = [nib(v[0]), nib(v[1]), nib(v[2]), nib(v[3]), nib(u[0]), nib(u[1]), nib(u[2]), nib(u[3])];
-                            let dsc = _mm256_mul_ps(d, byte_f32::<false>(sc[s / 4], s % 4));
-                            let dmn = _mm256_mul_ps(dmin, byte_f32::<false>(mn[s / 4], s % 4));
-                            step(s, &w, dsc, dmn);
-                        }
-                    }
-                } else {
-                    let d = q6k_d8(blk, $rb);
-                    let sv = transpose8x4(blk.add(Q6K_SCALES), $rb);
-                    for h in 0..2 {
-                        // The high 2 bits of the half's 4 sub-blocks (weights 0..16, 16..32).
-                        let qa = transpose8x4(blk.add(Q6K_QH + 32 * h), $rb);
-                        let qb = transpose8x4(blk.add(Q6K_QH + 32 * h + 16), $rb);
-                        for p in 0..2 {
-                            // Sub-blocks 4h + p (low nibbles) and 4h + p + 2 (high) share these.
-                            let la = transpose8x4(blk.add(64 * h + 32 * p), $rb);
-                            let lb = transpose8x4(blk.add(64 * h + 32 * p + 16), $rb);
-                            for n in 0..2 {
-                                let g = p + 2 * n;
-                                let s = 4 * h + g;
-                                let code = |l: __m256i, q: __m256i| _mm256_or_si256(_mm256_and_si256(if n == 0 { l } else { _mm256_srli_epi16(l, 4) }, m4), q6k_high_bits(q, g));
-                                let w = [
-                                    code(la[0], qa[0]),
-                                    code(la[1], qa[1]),
-                                    code(la[2], qa[2]),
-                                    code(la[3], qa[3]),
-                                    code(lb[0], qb[0]),
-                                    code(lb[1], qb[1]),
-                                    code(lb[2], qb[2]),
-                                    code(lb[3], qb[3]),
-                                ];
-                                let dlo = _mm256_mul_ps(d, byte_f32::<true>(sv[s / 2], 2 * (s % 2)));
-                                let dhi = _mm256_mul_ps(d, byte_f32::<true>(sv[s / 2], 2 * (s % 2) + 1));
-                                step(s, &w, dlo, dhi);
-                            }
-                        }
-                    }
-                }
+                kquant_sub_blocks!($ty, blk, $rb, step);
             }
         }
         // Token-major: token k's 8 rows are one vector.
@@ -226,24 +245,22 @@ const TILED_SUB_BYTES: usize = 32 * 1024;
 #[cfg(target_arch = "x86_64")]
 const REPACK_MIN_TOKENS: usize = 8;
 
-/// Tokens per pass of the repacked k-quant kernels: 4 with AVX2 (16 vector registers), and
-/// with VNNI (32) 8 for Q4_K, 4 for Q6_K (whose two 16-weight halves keep more sums live). On
-/// the AMD EPYC (Zen 4) of 2026-12-07, one thread, `quant_matmul kprefill` (GMAC/s, Q4_K
-/// 2048 × 1536 / 17920 × 1536 / Q6_K 1536 × 8960): AVX2 T = 4: 100 / 95 / 65, T = 6: 91 / 85 /
-/// 44; VNNI T = 8: 138 / 129 / 67, T = 6: 132 / 123 / 86, T = 4 (Q6_K): 93.
+/// Tokens per pass of the repacked kernels: 4 with AVX2 (16 vector registers), and with VNNI
+/// (32) 8, but 4 for Q6_K (whose two 16-weight halves keep more sums live). On the AMD EPYC
+/// (Zen 4) of 2026-12-07, one thread, `quant_matmul kprefill` (GMAC/s, Q4_K 2048 × 1536 /
+/// 17920 × 1536 / Q6_K 1536 × 8960): AVX2 T = 4: 100 / 95 / 65, T = 6: 91 / 85 / 44; VNNI
+/// T = 8: 138 / 129 / 67, T = 6: 132 / 123 / 86, T = 4 (Q6_K): 93.
 #[cfg(target_arch = "x86_64")]
 const REPACK_T_AVX2: usize = 4;
 #[cfg(target_arch = "x86_64")]
-const REPACK_T_VNNI_Q4K: usize = 8;
+const REPACK_T_VNNI: usize = 8;
+#[cfg(target_arch = "x86_64")]
+const REPACK_T_VNNI_Q6K: usize = 4;
 
 /// 32-weight blocks per span of the repacked kernels: 8 rows × 64 blocks repacked are 20 KiB,
 /// which stay in L1 while all tokens pass.
 #[cfg(target_arch = "x86_64")]
 const REPACK_SPAN_BLOCKS: usize = 64;
-
-/// Tokens per pass of the repacked 32-block kernels with VNNI (AVX2: [`REPACK_T_AVX2`]).
-#[cfg(target_arch = "x86_64")]
-const REPACK_T_VNNI_32: usize = 8;
 
 /// A smaller tile's results in the top-left corner of a full tile.
 #[cfg(target_arch = "x86_64")]
@@ -1152,33 +1169,32 @@ impl PackedMatrix {
         let group_bytes = units * unit_bytes;
         let chunk = self.chunk_rows(cols * n / 4).next_multiple_of(8);
         let yp = SyncPtr(y.as_mut_ptr());
-        // Super-blocks k0 .. k0 + ks of the group at `pk` (rows r .. r + rk) with `$t` tokens
-        // from `t`, accumulated into y.
+        // Units k0 .. k0 + ks of the group at `pk` (rows r .. r + rk) with `$t` tokens from
+        // `t`, accumulated into y.
         macro_rules! call {
             ($kernel:ident, $t:expr, $tok:expr, $pk:expr, $k0:expr, $ks:expr, $r:expr, $rk:expr) => {{
                 let (t, k0) = ($tok, $k0);
                 let (b0, i0) = (t * cols + k0 * unit_blocks * BLOCK, t * nb + k0 * unit_blocks);
+                let span = krepack::Span {
+                    pk: $pk.wrapping_add(k0 * unit_bytes),
+                    units: $ks,
+                    nb,
+                    xq: qa.codes[b0..].as_ptr(),
+                    xd: qa.scales[i0..].as_ptr(),
+                    xs: qa.sums[i0..].as_ptr(),
+                    xi: qa.isums[i0..].as_ptr(),
+                    xl: qa.isums_lo[i0..].as_ptr(),
+                    stride: cols,
+                    y: yp.get().wrapping_add(t * rows + $r),
+                    ys: rows,
+                    rk: $rk,
+                    first: k0 == 0,
+                };
                 // SAFETY: the ISA was detected (`q8_isa()`, the VNNI kernel only with VNNI);
-                // `$pk` holds the group's super-blocks k0 .. k0 + ks; tokens t .. t + $t exist in
-                // `qa` and in y, whose rows r .. r + rk belong to this task only.
-                unsafe {
-                    krepack::$kernel::<{ $t }>(
-                        ty,
-                        $pk.add(k0 * unit_bytes),
-                        $ks,
-                        nb,
-                        qa.codes[b0..].as_ptr(),
-                        qa.scales[i0..].as_ptr(),
-                        qa.sums[i0..].as_ptr(),
-                        qa.isums[i0..].as_ptr(),
-                        qa.isums_lo[i0..].as_ptr(),
-                        cols,
-                        yp.get().add(t * rows + $r),
-                        rows,
-                        $rk,
-                        k0 == 0,
-                    )
-                }
+                // `$pk` holds the group's units k0 .. k0 + ks repacked from `ty`; tokens
+                // t .. t + $t exist in `qa` and in y, whose rows r .. r + rk belong to this task
+                // only.
+                unsafe { krepack::$kernel::<{ $t }>(ty, &span) }
             }};
         }
         // All tokens over one span of a group, `$tmax` at a time, then the leftover tokens as
@@ -1226,12 +1242,12 @@ impl PackedMatrix {
                 let span = REPACK_SPAN_BLOCKS / unit_blocks;
                 for k0 in (0..units).step_by(span) {
                     let ks = span.min(units - k0);
-                    match (kquant, vnni) {
-                        (true, true) if ty == BlockType::Q4_K => tokens!(q8_repacked_vnni, REPACK_T_VNNI_Q4K, pk, k0, ks, r, rk),
-                        (true, true) => tokens!(q8_repacked_vnni, 4, pk, k0, ks, r, rk),
-                        (true, false) => tokens!(q8_repacked_avx2, REPACK_T_AVX2, pk, k0, ks, r, rk),
-                        (false, true) => tokens!(q8_repacked32_vnni, REPACK_T_VNNI_32, pk, k0, ks, r, rk),
-                        (false, false) => tokens!(q8_repacked32_avx2, REPACK_T_AVX2, pk, k0, ks, r, rk),
+                    if !vnni {
+                        tokens!(q8_repacked_avx2, REPACK_T_AVX2, pk, k0, ks, r, rk);
+                    } else if ty == BlockType::Q6_K {
+                        tokens!(q8_repacked_vnni, REPACK_T_VNNI_Q6K, pk, k0, ks, r, rk);
+                    } else {
+                        tokens!(q8_repacked_vnni, REPACK_T_VNNI, pk, k0, ks, r, rk);
                     }
                 }
                 r += rk;
