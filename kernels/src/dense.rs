@@ -16,7 +16,7 @@
 //!   vector accumulators: 220-250 GFLOP/s on 2 cores of an Intel Xeon with AVX-512, against
 //!   140-170 for the `gemm` crate (`dense_bench`).
 //! - More tokens with AVX2 + FMA (no AVX-512): the same blocking with a 6-token × 16-column
-//!   tile in 12 vector accumulators ([`gemm_avx2`], BLIS's Haswell sgemm kernel shape), which
+//!   tile in 12 vector accumulators (`gemm_avx2`, BLIS's Haswell sgemm kernel shape), which
 //!   replaced the `gemm` crate there (on the AMD EPYC Zen 4 of 2026-12-07 with
 //!   `DECO_KERNELS=avx2`, see `docs/performance.md`).
 //! - Otherwise (no AVX2, other architectures): the `gemm` crate (the f32 micro-kernels

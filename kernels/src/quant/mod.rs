@@ -240,8 +240,9 @@ const TILE_T_VNNI: usize = 8;
 #[cfg(target_arch = "x86_64")]
 const TILED_SUB_BYTES: usize = 32 * 1024;
 
-/// Tokens from which the 8-bit-activation k-quant path repacks its rows first
-/// (`PackedMatrix::matmul_repacked_q8`).
+/// Tokens from which the 8-bit-activation path repacks its rows first (every block type,
+/// `PackedMatrix::matmul_repacked_q8`); fewer tokens (decode, speculative verification) run
+/// the per-token-group kernels on the GGUF blocks.
 #[cfg(target_arch = "x86_64")]
 const REPACK_MIN_TOKENS: usize = 8;
 
