@@ -35,7 +35,7 @@
 //!   `vpmaddubsw` + `vpmaddwd`, with the same bits), as llama.cpp does. Every type goes 8 rows
 //!   at a time, one row per 32-bit lane (codes transposed in registers, the next rows
 //!   prefetched; Q4_K / Q6_K scales decoded once per super-block for the 8 rows), which makes
-//!   single-token decode bound by memory bandwidth. From `REPACK_MIN_TOKENS` (8) tokens on
+//!   single-token decode bound by memory bandwidth. From 8 (AVX2) or 32 (VNNI) tokens on
 //!   (prefill), each group of 8 rows is first repacked once per call into a per-task buffer
 //!   (`krepack.rs`: codes transposed and unpacked to bytes, scales decoded to f32, llama.cpp's
 //!   `REPACK` idea done per call so that the stored matrix stays the GGUF blocks), and every
@@ -241,10 +241,18 @@ const TILE_T_VNNI: usize = 8;
 const TILED_SUB_BYTES: usize = 32 * 1024;
 
 /// Tokens from which the 8-bit-activation path repacks its rows first (every block type,
-/// `PackedMatrix::matmul_repacked_q8`); fewer tokens (decode, speculative verification) run
-/// the per-token-group kernels on the GGUF blocks.
+/// `PackedMatrix::matmul_repacked_q8`), with AVX2 and with VNNI; fewer tokens (decode,
+/// speculative verification, a batch of decode streams) run the per-token-group kernels on the
+/// GGUF blocks. On the AMD EPYC (Zen 4) of 2026-12-07 (`quant_matmul kprefill`,
+/// `KPREFILL_N`, one thread), the repacked AVX2 kernels were ahead from 16 tokens on (Q4_K
+/// 60 → 84-87 GMAC/s), the VNNI ones behind at 16 (Q4_K 107 → 80-86), about even at 32-64 and
+/// ahead at 128 (113 → 135); `cargo xtask bench serve` with 16 streams (VNNI) went from 597
+/// to 476-503 tok/s when its batched steps of 16 tokens were repacked. (AVX2 serving at 16
+/// streams was not measured.)
 #[cfg(target_arch = "x86_64")]
-const REPACK_MIN_TOKENS: usize = 8;
+const REPACK_MIN_TOKENS_AVX2: usize = 8;
+#[cfg(target_arch = "x86_64")]
+const REPACK_MIN_TOKENS_VNNI: usize = 32;
 
 /// Tokens per pass of the repacked kernels: 4 with AVX2 (16 vector registers), and with VNNI
 /// (32) 8, but 4 for Q6_K (whose two 16-weight halves keep more sums live). On the AMD EPYC
@@ -1102,7 +1110,7 @@ impl PackedMatrix {
                 }
             }};
         }
-        if n >= REPACK_MIN_TOKENS {
+        if n >= if vnni { REPACK_MIN_TOKENS_VNNI } else { REPACK_MIN_TOKENS_AVX2 } {
             self.matmul_repacked_q8(qa, n, y, vnni);
             return;
         }
@@ -1144,11 +1152,12 @@ impl PackedMatrix {
         }
     }
 
-    /// The path of [`PackedMatrix::matmul_tiled_q8`] for `n >= REPACK_MIN_TOKENS` tokens
-    /// (prefill). Row chunks go to the team as in [`PackedMatrix::tiled`]; inside a chunk, each
-    /// group of 8 rows (a leftover row alone, in all 8 lanes) is repacked once into a per-task
-    /// buffer (`krepack::repack8` for Q4_K / Q6_K super-blocks, `krepack::repack8_32` for
-    /// 32-weight blocks: codes transposed and unpacked to bytes, scales decoded); then, for each
+    /// The path of [`PackedMatrix::matmul_tiled_q8`] from `REPACK_MIN_TOKENS_AVX2` (AVX2) or
+    /// `REPACK_MIN_TOKENS_VNNI` tokens on (prefill). Row chunks go to the team as in
+    /// [`PackedMatrix::tiled`]; inside a chunk, each group of 8 rows (a leftover row alone, in
+    /// all 8 lanes) is repacked once into a per-task buffer (`krepack::repack8` for Q4_K / Q6_K
+    /// super-blocks, `krepack::repack8_32` for 32-weight blocks: codes transposed and unpacked
+    /// to bytes, scales decoded); then, for each
     /// span of [`REPACK_SPAN_BLOCKS`] blocks (~20 KiB repacked, held in L1), every group of
     /// tokens passes over it, its running sums kept in `y` between spans (loaded and stored in
     /// the same order, so the float operations and the bits are those of one pass, and those of
