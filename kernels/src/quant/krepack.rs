@@ -20,7 +20,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{halves_to_f32, q5_0_codes8, transpose8x1, transpose8x4};
+use super::x86::{block32_codes8, halves_to_f32, transpose8x1};
 use super::{BLOCK, BlockType};
 
 /// Bytes of one repacked slot: 8 code vectors and 2 scale vectors of 32 bytes.
@@ -91,29 +91,17 @@ pub(super) unsafe fn repack8(ty: BlockType, blk: *const u8, row_bytes: usize, ou
 /// writable bytes at `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn repack8_32(ty: BlockType, blk: *const u8, row_bytes: usize, out: *mut u8) {
-    let m4 = _mm256_set1_epi8(0x0F);
     // SAFETY: the caller's contract.
     unsafe {
         let dm = transpose8x1(blk, row_bytes);
         let d = halves_to_f32::<false>(dm);
         let m = if ty == BlockType::Q4_1 { halves_to_f32::<true>(dm) } else { _mm256_setzero_ps() };
-        let mut w = [_mm256_setzero_si256(); 8];
-        match ty {
-            BlockType::Q8_0 => {
-                let lo = transpose8x4(blk.add(2), row_bytes);
-                let hi = transpose8x4(blk.add(18), row_bytes);
-                w[..4].copy_from_slice(&lo);
-                w[4..].copy_from_slice(&hi);
-            }
-            BlockType::Q5_0 => w = q5_0_codes8(blk, row_bytes),
-            _ => {
-                let v = transpose8x4(blk.add(if ty == BlockType::Q4_0 { 2 } else { 4 }), row_bytes);
-                for c in 0..4 {
-                    w[c] = _mm256_and_si256(v[c], m4);
-                    w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
-                }
-            }
-        }
+        let w = match ty {
+            BlockType::Q4_0 => block32_codes8::<0>(blk, row_bytes),
+            BlockType::Q4_1 => block32_codes8::<1>(blk, row_bytes),
+            BlockType::Q5_0 => block32_codes8::<4>(blk, row_bytes),
+            _ => block32_codes8::<2>(blk, row_bytes),
+        };
         put_slot(out, &w, d, m);
     }
 }

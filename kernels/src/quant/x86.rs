@@ -496,6 +496,39 @@ pub(super) fn halves_to_f32<const HI: bool>(v: __m256i) -> __m256 {
     _mm256_cvtph_ps(_mm256_castsi256_si128(packed))
 }
 
+/// The codes of one 32-weight block of 8 rows (`TY` 0: Q4_0, 1: Q4_1, 4: Q5_0, 2: Q8_0; row `r`
+/// at `blk + r · row_bytes`, `row_bytes` possibly 0), one row per 32-bit lane: vector `g` holds
+/// weights `4g .. 4g + 4`. Q4_0 / Q4_1 nibbles and Q5_0 5-bit codes unsigned (byte `j` of a Q4
+/// block holds weight `j` in its low and `j + 16` in its high nibble), Q8_0 codes signed. Shared
+/// by the per-token-group kernels (`q8_rows8`, both ISAs) and the repacking of `krepack.rs`.
+///
+/// # Safety
+/// AVX2; a whole block at `blk + r · row_bytes` for r in 0..8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn block32_codes8<const TY: u8>(blk: *const u8, row_bytes: usize) -> [__m256i; 8] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut w = [_mm256_setzero_si256(); 8];
+    // SAFETY: the caller's contract.
+    unsafe {
+        if TY == 2 {
+            let lo = transpose8x4(blk.add(2), row_bytes);
+            let hi = transpose8x4(blk.add(18), row_bytes);
+            w[..4].copy_from_slice(&lo);
+            w[4..].copy_from_slice(&hi);
+        } else if TY == 4 {
+            w = q5_0_codes8(blk, row_bytes);
+        } else {
+            let v = transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
+            for c in 0..4 {
+                w[c] = _mm256_and_si256(v[c], m4);
+                w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
+            }
+        }
+    }
+    w
+}
+
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -516,7 +549,6 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
         _ => BlockType::Q8_0,
     }
     .block_bytes();
-    let m4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
@@ -529,21 +561,7 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
             }
             let dm = transpose8x1(blk, row_bytes);
             let d = halves_to_f32::<false>(dm);
-            let mut w = [_mm256_setzero_si256(); 8];
-            if TY == 2 {
-                let lo = transpose8x4(blk.add(2), row_bytes);
-                let hi = transpose8x4(blk.add(18), row_bytes);
-                w[..4].copy_from_slice(&lo);
-                w[4..].copy_from_slice(&hi);
-            } else if TY == 4 {
-                w = q5_0_codes8(blk, row_bytes);
-            } else {
-                let v = transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
-                for c in 0..4 {
-                    w[c] = _mm256_and_si256(v[c], m4);
-                    w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
-                }
-            }
+            let w = block32_codes8::<TY>(blk, row_bytes);
             let m = if TY == 1 { halves_to_f32::<true>(dm) } else { d };
             for k in 0..T {
                 let xb = xq.add(k * stride + b * BLOCK) as *const i32;

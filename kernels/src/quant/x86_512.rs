@@ -333,7 +333,6 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
     stride: usize,
 ) -> [[f32; 8]; T] {
     let bb = block_type::<TY>().block_bytes();
-    let m4 = _mm256_set1_epi8(0x0F);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         // SAFETY: b < nb: the 8 rows' block b and each token's block b are in bounds.
@@ -349,24 +348,13 @@ unsafe fn q8_rows8_t<const TY: u8, const T: usize>(
             // `vpgatherdd` here was the kernel's bottleneck on Zen 4.)
             let dm = super::x86::transpose8x1(blk, row_bytes);
             let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
-            // Weight groups g = 0..8 (weights 4g .. 4g + 4) of the 8 rows, unsigned codes.
-            let mut w = [_mm256_setzero_si256(); 8];
+            // Weight groups g = 0..8 (weights 4g .. 4g + 4) of the 8 rows, unsigned codes
+            // (Q8_0's signed codes + 128: `q ^ 0x80`).
+            let mut w = super::x86::block32_codes8::<TY>(blk, row_bytes);
             if TY == 2 {
                 let sign = _mm256_set1_epi8(-128);
-                let lo = super::x86::transpose8x4(blk.add(2), row_bytes);
-                let hi = super::x86::transpose8x4(blk.add(18), row_bytes);
-                for c in 0..4 {
-                    w[c] = _mm256_xor_si256(lo[c], sign);
-                    w[4 + c] = _mm256_xor_si256(hi[c], sign);
-                }
-            } else if TY == 4 {
-                w = super::x86::q5_0_codes8(blk, row_bytes);
-            } else {
-                // Byte j of a Q4 block holds weight j (low nibble) and j + 16 (high nibble).
-                let v = super::x86::transpose8x4(blk.add(if TY == 0 { 2 } else { 4 }), row_bytes);
-                for c in 0..4 {
-                    w[c] = _mm256_and_si256(v[c], m4);
-                    w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
+                for v in &mut w {
+                    *v = _mm256_xor_si256(*v, sign);
                 }
             }
             let m = if TY == 1 { _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16))) } else { d };
