@@ -270,6 +270,15 @@ impl MedusaHeads {
         if k == 0 {
             return Ok(Vec::new());
         }
+        // On the CPU, from outside the pool (the engine's thread between two tree forwards): on
+        // a pool worker with the spinning team, as `Llama::forward` runs its pass, instead of a
+        // rayon fork-join (a futex wake-up of the sleeping workers) per kernel call.
+        deco_model::host::on_cpu_team(&self.device, || self.head_rows(hidden, k))
+    }
+
+    /// The logits of heads `1..=k` at `hidden` (`k` in `1..=K`): [`MedusaHeads::first_head_logits`]'s work.
+    fn head_rows(&self, hidden: &[f32], k: usize) -> Result<Vec<Vec<f32>>> {
+        let h = self.config.hidden_size;
         let mut rows = Vec::with_capacity(k * h);
         let mut tmp = Vec::with_capacity(h);
         for b in &self.blocks[..k] {

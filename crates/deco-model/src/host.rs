@@ -1,9 +1,22 @@
 //! Host-side tensor helpers shared by the model, the quantizers and the trainers: device reads
 //! and the row-major layout changes that weight loading needs.
 
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 
 use crate::{Error, Result};
+
+/// Runs `f` (a forward pass, or any run of host kernel calls) on a worker of the current rayon
+/// pool with the pool's other workers as a spinning team (`deco_kernels::team::with_team`), when
+/// `device` is the CPU (`flex`) and the caller is outside the pool; otherwise runs `f` here (on
+/// a pool worker the caller's team, if any, is used; a GPU device keeps its stream per thread).
+/// Outside a team every parallel kernel call is a rayon fork-join that wakes the sleeping
+/// workers (a futex wake-up, in a VM an inter-processor interrupt).
+pub fn on_cpu_team<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -> R {
+    if *device == Device::flex() && rayon::current_thread_index().is_none() {
+        return rayon::scope(|_| deco_kernels::team::with_team(f));
+    }
+    f()
+}
 
 /// Copies a tensor of any rank to the host as f32, row-major (`[d0, d1, ..]` → `d0 · d1 · ..`
 /// values).

@@ -394,10 +394,7 @@ impl Llama {
         // token).
         // CPU only: a GPU device keeps its stream per thread, so its forwards stay where they
         // were called.
-        if self.device == Device::flex() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| deco_kernels::team::with_team(|| self.forward_inner(inputs, cache, rows, num_layers)));
-        }
-        self.forward_inner(inputs, cache, rows, num_layers)
+        crate::host::on_cpu_team(&self.device, || self.forward_inner(inputs, cache, rows, num_layers))
     }
 
     fn forward_inner(&self, inputs: &[SeqInput<'_>], cache: &mut dyn KvCache, rows: &[usize], num_layers: usize) -> Result<ForwardOutput> {
