@@ -5,7 +5,7 @@
 //! - Few tokens (decode, speculative verification; `n ≤` [`SMALL_N`]): a streaming kernel,
 //!   split over the inner dimension: each task reads a contiguous run of weight rows once, in
 //!   order, and adds `x[t, i] · w[i, ..]` to its own `[n, out]` partial sums (AXPYs with FMA,
-//!   four weight rows per pass over the partial sums with AVX2); the partials are added in task
+//!   eight weight rows per pass over the partial sums with AVX2); the partials are added in task
 //!   order. Every
 //!   weight is read once per call, at the streaming rate of DRAM; the `gemm` crate instead
 //!   packs the weight panel before it multiplies, which reads it twice and writes it once.
