@@ -241,12 +241,25 @@ fn check_q8(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64, isa: I
     let mut y1 = vec![f32::NAN; rows];
     m.matmul_q8_with(&x[t * cols..(t + 1) * cols], 1, &mut y1, isa).expect("matmul_q8");
     prop_assert_eq!(&y1[..], &y[t * rows..(t + 1) * rows], "token {} alone differs", t);
+    // The interleaved layout of the k-quant kernels (`interleave8`; other types unchanged):
+    // the same bits, every path (tiled, repacked, leftover rows), and the same GGUF rows back.
+    let mi = m.clone().interleave8();
+    prop_assert_eq!(mi.is_interleaved(), matches!(ty, BlockType::Q4_K | BlockType::Q6_K));
+    prop_assert_eq!(&mi.gguf_bytes()[..], m.as_bytes());
+    let mut yi = vec![f32::NAN; n * rows];
+    mi.matmul_q8_with(&x, n, &mut yi, isa).expect("matmul_q8 interleaved");
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    prop_assert_eq!(bits(&y), bits(&yi), "{:?} rows={}: interleaved rows differ", ty, rows);
+    if rows >= 8 {
+        let mut r1 = vec![f32::NAN; cols];
+        mi.dequantize_rows(rows / 2, &mut r1).expect("dequantize_rows");
+        prop_assert_eq!(&r1[..], &wd[rows / 2 * cols..(rows / 2 + 1) * cols]);
+    }
     // The AVX2 integer kernels compute the same integer block sums and the same float
     // operations as the VNNI ones: the same bits, for every block type.
     if isa == Isa::Avx2 && q8_isas().contains(&Isa::Avx512) {
         let mut yv = vec![f32::NAN; n * rows];
         m.matmul_q8_with(&x, n, &mut yv, Isa::Avx512).expect("matmul_q8 vnni");
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         prop_assert_eq!(bits(&y), bits(&yv), "{:?}: AVX2 and VNNI kernels differ", ty);
     }
     for t in 0..n {
@@ -338,6 +351,40 @@ fn q8_long_rows_match_reference() {
                 check_q8(ty, rows, 80 * 32, n, seed, isa).unwrap_or_else(|e| panic!("{ty:?} {isa:?} rows={rows} n={n}: {e}"));
             }
         }
+    }
+}
+
+/// An interleaved matrix (`interleave8`) behaves as its GGUF rows everywhere else: row
+/// permutation and concatenation, whole dequantization, the f32-activation products, and the
+/// layout chosen from the activation precision.
+#[test]
+fn interleaved_rows_read_as_gguf_rows() {
+    for ty in [BlockType::Q4_K, BlockType::Q6_K] {
+        let (rows, cols, n) = (19usize, 512usize, 3usize);
+        let m = PackedMatrix::new(ty, rows, cols, quantize(ty, &values(11, rows * cols, 0.5))).expect("packed");
+        let mi = m.clone().interleave8();
+        assert_eq!(mi.is_interleaved(), q8_available(), "{ty:?}");
+        assert_eq!(mi.as_bytes().len(), m.as_bytes().len(), "{ty:?}: a permutation keeps the size");
+        if q8_available() {
+            assert_ne!(mi.as_bytes(), m.as_bytes(), "{ty:?}: interleaving moved no byte");
+        }
+        assert_eq!(mi.dequantize(), m.dequantize(), "{ty:?}");
+        let perm: Vec<usize> = (0..rows).rev().collect();
+        assert_eq!(mi.permute_rows(&perm).expect("perm"), m.permute_rows(&perm).expect("perm"), "{ty:?}");
+        assert_eq!(PackedMatrix::concat_rows(&[&mi, &m]).expect("cat"), PackedMatrix::concat_rows(&[&m, &m]).expect("cat"), "{ty:?}");
+        let x = values(12, n * cols, 1.0);
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512] {
+            let (mut a, mut b) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+            m.matmul_with(&x, n, &mut a, isa).expect("matmul");
+            mi.matmul_with(&x, n, &mut b, isa).expect("matmul");
+            assert_eq!(a, b, "{ty:?} {isa:?}");
+        }
+        let (mut a, mut b) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+        m.matmul_dequant_gemm(&x, n, &mut a).expect("gemm");
+        mi.matmul_dequant_gemm(&x, n, &mut b).expect("gemm");
+        assert_eq!(a, b, "{ty:?} gemm");
+        // f32 activations (the default precision of this test process): GGUF rows kept.
+        assert!(!m.clone().for_activation_precision().is_interleaved());
     }
 }
 

@@ -483,14 +483,16 @@ impl LinearWeight {
     /// The weight of a packed matrix for `device`: on a GPU device (features `wgpu` / `cuda`,
     /// no autodiff) uploaded for the CubeCL kernel when its grid takes the matrix (at most
     /// `CubePackedMatrix::MAX_ROWS` rows and columns), else kept on the host for the CPU
-    /// kernels.
+    /// kernels, in the layout of the process's activation precision
+    /// ([`PackedMatrix::for_activation_precision`]: Q4_K / Q6_K rows interleaved for the
+    /// 8-bit-activation kernels).
     pub fn packed(m: PackedMatrix, device: &Device) -> Self {
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
         if gpu_kernels(device) && m.rows().max(m.cols()) <= deco_kernels::cube::CubePackedMatrix::MAX_ROWS {
             return LinearWeight::Device(Arc::new(deco_kernels::cube::CubePackedMatrix::upload(&m, device)));
         }
         let _ = device;
-        LinearWeight::Packed(Arc::new(m))
+        LinearWeight::Packed(Arc::new(m.for_activation_precision()))
     }
 
     /// Packed matrices that read the same input, stacked along the output dimension: runs of
@@ -513,7 +515,7 @@ impl LinearWeight {
             0 => None,
             1 => runs.pop().map(|m| Self::packed(m, device)),
             _ if gpu_kernels(device) => None,
-            _ => Some(LinearWeight::PackedParts(runs.into())),
+            _ => Some(LinearWeight::PackedParts(runs.into_iter().map(PackedMatrix::for_activation_precision).collect())),
         }
     }
 }

@@ -413,7 +413,7 @@ impl CubePackedMatrix {
 
     /// Uploads the packed bytes of `m` to `device`.
     pub fn upload(m: &PackedMatrix, device: &Device) -> Self {
-        let bytes = m.as_bytes();
+        let bytes = m.gguf_bytes();
         let words: Vec<u32> = bytes
             .chunks(4)
             .map(|c| {

@@ -56,16 +56,17 @@ unsafe fn put_slot(p: *mut u8, w: &[__m256i; 8], a: __m256, b: __m256) {
 }
 
 /// Repacks one super-block of 8 rows of `ty` (Q4_K or Q6_K; row `r` at `blk + r · row_bytes`,
-/// `row_bytes` possibly 0) into `GROUP_SB_BYTES` at `out`: slot `q` holds what
+/// `row_bytes` possibly 0, or with `interleaved` the 8 rows' blocks interleaved at `blk`,
+/// `PackedMatrix::interleave8`) into `GROUP_SB_BYTES` at `out`: slot `q` holds what
 /// `kquant_sub_blocks!` gives for its `q`-th sub-block (`slot_sub(q)`): the 8 transposed code
 /// vectors (Q4_K: the 4-bit codes; Q6_K: the 6-bit codes before the `− 32`), then Q4_K's `d·sc`
 /// and `dmin·m`, or Q6_K's `d·sc` of weights 0..16 and of 16..32.
 ///
 /// # Safety
-/// AVX2, FMA and F16C; a whole block at `blk + r · row_bytes` for r in 0..8; `GROUP_SB_BYTES`
-/// writable bytes at `out`.
+/// AVX2, FMA and F16C; a whole block at `blk + r · row_bytes` for r in 0..8 (with `interleaved`
+/// the 8 blocks' interleaved bytes at `blk`); `GROUP_SB_BYTES` writable bytes at `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn repack8(ty: BlockType, blk: *const u8, row_bytes: usize, out: *mut u8) {
+pub(super) unsafe fn repack8(ty: BlockType, blk: *const u8, row_bytes: usize, interleaved: bool, out: *mut u8) {
     let mut q = 0;
     // SAFETY: the caller's contract; the 8 slots are inside the group.
     unsafe {
@@ -73,10 +74,13 @@ pub(super) unsafe fn repack8(ty: BlockType, blk: *const u8, row_bytes: usize, ou
             put_slot(out.add(q * SLOT_BYTES), w, a, b);
             q += 1;
         };
-        if ty == BlockType::Q4_K {
-            kquant_sub_blocks!(3, blk, row_bytes, put);
-        } else {
-            kquant_sub_blocks!(5, blk, row_bytes, put);
+        const IL: bool = true;
+        const GGUF: bool = false;
+        match (ty == BlockType::Q4_K, interleaved) {
+            (true, false) => kquant_sub_blocks!(3, blk, row_bytes, GGUF, put),
+            (true, true) => kquant_sub_blocks!(3, blk, row_bytes, IL, put),
+            (false, false) => kquant_sub_blocks!(5, blk, row_bytes, GGUF, put),
+            (false, true) => kquant_sub_blocks!(5, blk, row_bytes, IL, put),
         }
     }
 }

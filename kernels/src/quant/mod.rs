@@ -49,13 +49,16 @@
 //! forward pass, else rayon) and run in the *current* rayon pool (the global one that `deco
 //! --threads N` configures, or the one a caller `install`s).
 
+use std::borrow::Cow;
+
 use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
 /// Visits the eight 32-weight sub-blocks of one Q4_K (`$ty` 3) or Q6_K (5) super-block of 8
-/// rows (row `r` at `$blk + r · $rb`, `$rb` possibly 0), one row per 32-bit lane, calling
+/// rows (row `r` at `$blk + r · $rb`, `$rb` possibly 0; with `$il` true the 8 rows' blocks
+/// interleaved at `$blk` instead, `PackedMatrix::interleave8`), one row per 32-bit lane, calling
 /// `$f(s, &w, da, db)` with sub-block `s`, its 8 transposed code vectors `w` (vector `g`:
 /// weights `4g .. 4g + 4`; Q4_K's 4-bit codes, Q6_K's 6-bit codes before the `− 32`) and its
 /// scale vectors: Q4_K `d·sc` and `dmin·m` (6-bit scales and minima decoded with ggml's `kmask`
@@ -67,17 +70,17 @@ use crate::error::{Error, Result};
 /// guarantees the 8 whole blocks.
 #[cfg(target_arch = "x86_64")]
 macro_rules! kquant_sub_blocks {
-    ($ty:expr, $blk:expr, $rb:expr, $f:ident) => {{
-        use crate::quant::x86::{byte_f32, q4k_scales8, q6k_d8, q6k_high_bits, transpose8x4};
+    ($ty:expr, $blk:expr, $rb:expr, $il:ident, $f:ident) => {{
+        use crate::quant::x86::{byte_f32, q4k_scales8, q6k_d8, q6k_high_bits, rows8x4};
         use crate::quant::{Q6K_QH, Q6K_SCALES};
         let (blk, rb) = ($blk, $rb);
         let m4 = _mm256_set1_epi8(0x0F);
         if $ty == 3 {
-            let (d, dmin, sc, mn) = q4k_scales8(blk, rb);
+            let (d, dmin, sc, mn) = q4k_scales8::<$il>(blk, rb);
             for j in 0..4 {
                 // Sub-blocks 2j (low nibbles) and 2j + 1 (high) share these 32 bytes.
-                let v = transpose8x4(blk.add(16 + 32 * j), rb);
-                let u = transpose8x4(blk.add(32 + 32 * j), rb);
+                let v = rows8x4::<$il>(blk, 16 + 32 * j, rb);
+                let u = rows8x4::<$il>(blk, 32 + 32 * j, rb);
                 for h in 0..2 {
                     let s = 2 * j + h;
                     let nib = |c: __m256i| _mm256_and_si256(if h == 0 { c } else { _mm256_srli_epi16(c, 4) }, m4);
@@ -88,16 +91,16 @@ macro_rules! kquant_sub_blocks {
                 }
             }
         } else {
-            let d = q6k_d8(blk, rb);
-            let sv = transpose8x4(blk.add(Q6K_SCALES), rb);
+            let d = q6k_d8::<$il>(blk, rb);
+            let sv = rows8x4::<$il>(blk, Q6K_SCALES, rb);
             for h in 0..2 {
                 // The high 2 bits of the half's 4 sub-blocks (weights 0..16, 16..32).
-                let qa = transpose8x4(blk.add(Q6K_QH + 32 * h), rb);
-                let qb = transpose8x4(blk.add(Q6K_QH + 32 * h + 16), rb);
+                let qa = rows8x4::<$il>(blk, Q6K_QH + 32 * h, rb);
+                let qb = rows8x4::<$il>(blk, Q6K_QH + 32 * h + 16, rb);
                 for p in 0..2 {
                     // Sub-blocks 4h + p (low nibbles) and 4h + p + 2 (high) share these.
-                    let la = transpose8x4(blk.add(64 * h + 32 * p), rb);
-                    let lb = transpose8x4(blk.add(64 * h + 32 * p + 16), rb);
+                    let la = rows8x4::<$il>(blk, 64 * h + 32 * p, rb);
+                    let lb = rows8x4::<$il>(blk, 64 * h + 32 * p + 16, rb);
                     for n in 0..2 {
                         let g = p + 2 * n;
                         let s = 4 * h + g;
@@ -138,14 +141,16 @@ macro_rules! kquant_sub_blocks {
 ///   q·qx − 32·Σ_{16..32} qx)`, the activation half-sums from `xl` (first 16) and `xi − xl`.
 ///
 /// For every (row, token) the float operations are the same whatever the lane, `T` and the row
-/// stride are (batch invariance; `row_bytes = 0` computes one row in all lanes). Expanded inside
-/// an `unsafe` function whose caller guarantees 8 rows (spaced `row_bytes`, possibly 0) of
-/// `nb / 8` super-blocks and `T` tokens of quantized activations (`xq` codes spaced `stride`;
-/// `xd`, `xs`, `xi`, `xl` per-block scales, scaled sums, integer sums and first-half integer
-/// sums spaced `nb`).
+/// stride are, and whether the rows are interleaved (`$il`: `PackedMatrix::interleave8`,
+/// super-block `sb` of the 8 rows at `rows + sb · 8 · block_bytes`) or not (batch invariance;
+/// `row_bytes = 0` computes one row in all lanes). Expanded inside an `unsafe` function whose
+/// caller guarantees 8 rows (spaced `row_bytes`, possibly 0, or interleaved) of `nb / 8`
+/// super-blocks and `T` tokens of quantized activations (`xq` codes spaced `stride`; `xd`, `xs`,
+/// `xi`, `xl` per-block scales, scaled sums, integer sums and first-half integer sums spaced
+/// `nb`).
 #[cfg(target_arch = "x86_64")]
 macro_rules! q8_rows8_k_body {
-    ($ty:ident, $t:ident, $rows:ident, $rb:ident, $nb:ident, $xq:ident, $xd:ident, $xs:ident, $xi:ident, $xl:ident, $stride:ident, $dot:expr) => {{
+    ($ty:ident, $t:ident, $il:ident, $rows:ident, $rb:ident, $nb:ident, $xq:ident, $xd:ident, $xs:ident, $xi:ident, $xl:ident, $stride:ident, $dot:expr) => {{
         use crate::quant::{BLOCK, BlockType};
         let bb = if $ty == 3 { BlockType::Q4_K } else { BlockType::Q6_K }.block_bytes();
         let mut acc = [_mm256_setzero_ps(); $t];
@@ -153,7 +158,7 @@ macro_rules! q8_rows8_k_body {
             // SAFETY: sb < nb / 8: the 8 rows' super-block sb and each token's blocks
             // 8·sb .. 8·sb + 8 are in bounds (the caller's contract).
             unsafe {
-                let blk = $rows.add(sb * bb);
+                let blk = if $il { $rows.add(sb * 8 * bb) } else { $rows.add(sb * bb) };
                 // The next 8 rows (contiguous after these when `row_bytes` is the row size): one
                 // super-block's share of their bytes per super-block of these. With one token
                 // (decode: DRAM-bound) into L2 (`T1`): a k-quant row group is 7-60 KB
@@ -197,7 +202,7 @@ macro_rules! q8_rows8_k_body {
                         }
                     }
                 };
-                kquant_sub_blocks!($ty, blk, $rb, step);
+                kquant_sub_blocks!($ty, blk, $rb, $il, step);
             }
         }
         // Token-major: token k's 8 rows are one vector.
@@ -675,13 +680,16 @@ fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [
 }
 
 /// A `[rows, cols]` weight matrix stored as packed GGUF blocks, row-major (row `r` is the
-/// `cols / 32` blocks at bytes `r · row_bytes .. (r + 1) · row_bytes`).
+/// `cols / 32` blocks at bytes `r · row_bytes .. (r + 1) · row_bytes`), or, after
+/// [`PackedMatrix::interleave8`], with the blocks of each group of 8 rows interleaved.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PackedMatrix {
     ty: BlockType,
     rows: usize,
     cols: usize,
     data: Vec<u8>,
+    /// Whether the whole groups of 8 rows are in [`PackedMatrix::interleave8`]'s layout.
+    interleaved: bool,
 }
 
 impl std::fmt::Debug for PackedMatrix {
@@ -691,6 +699,7 @@ impl std::fmt::Debug for PackedMatrix {
             .field("rows", &self.rows)
             .field("cols", &self.cols)
             .field("bytes", &self.data.len())
+            .field("interleaved", &self.interleaved)
             .finish()
     }
 }
@@ -744,7 +753,7 @@ impl PackedMatrix {
         if data.len() != expected {
             return Err(Error::Length { what: "packed matrix bytes", expected, actual: data.len() });
         }
-        Ok(Self { ty, rows, cols, data })
+        Ok(Self { ty, rows, cols, data, interleaved: false })
     }
 
     /// Block type.
@@ -762,9 +771,76 @@ impl PackedMatrix {
         self.cols
     }
 
-    /// The packed bytes.
+    /// The packed bytes as stored: GGUF rows, or after [`PackedMatrix::interleave8`] its layout
+    /// ([`PackedMatrix::gguf_bytes`] gives the GGUF rows either way).
     pub fn as_bytes(&self) -> &[u8] {
         &self.data
+    }
+
+    /// The packed bytes as GGUF rows (row `r` at `r · row_bytes`): [`PackedMatrix::as_bytes`],
+    /// or a copy with the interleaving undone.
+    pub fn gguf_bytes(&self) -> Cow<'_, [u8]> {
+        if !self.interleaved {
+            return Cow::Borrowed(&self.data);
+        }
+        let mut out = Vec::with_capacity(self.data.len());
+        for r in 0..self.rows {
+            out.extend_from_slice(&self.row(r));
+        }
+        Cow::Owned(out)
+    }
+
+    /// Whether the matrix is in [`PackedMatrix::interleave8`]'s layout.
+    pub fn is_interleaved(&self) -> bool {
+        self.interleaved
+    }
+
+    /// This matrix with the blocks of each whole group of 8 rows interleaved, the layout the
+    /// 8-bit-activation Q4_K / Q6_K kernels read without transposing (llama.cpp's `REPACK`
+    /// idea, `block_q4_Kx8`, here a pure permutation of the bytes, so the matrix keeps its size):
+    /// for group `g` (rows `8g .. 8g + 8`, bytes `8g · row_bytes ..` as before) and super-block
+    /// `sb`, the 8 rows' blocks (`B` = 144 or 210 bytes each) take bytes
+    /// `sb · 8B .. (sb + 1) · 8B` of the group, 4-byte chunk `c` of row `r` at `32c + 4r`, and the
+    /// `B mod 4` bytes after the last whole chunk (Q6_K's `d`) of row `r` at `32 · ⌊B/4⌋ + r · (B
+    /// mod 4)`. The `rows mod 8` last rows stay GGUF rows. Other block types, and CPUs without the
+    /// 8-bit-activation kernels ([`q8_available`]), are returned unchanged.
+    ///
+    /// The 8-bit-activation kernels ([`PackedMatrix::matmul_q8`]) give the same bits on either
+    /// layout. Everything else reads GGUF rows: [`PackedMatrix::dequantize_rows`] and the row
+    /// operations gather them (one row at a time), while the f32-activation products
+    /// ([`PackedMatrix::matmul_with`], [`PackedMatrix::matmul_dequant_gemm`]) first copy the
+    /// whole matrix back to GGUF rows, a copy per call: interleave only matrices that will run
+    /// with 8-bit activations ([`PackedMatrix::for_activation_precision`]).
+    pub fn interleave8(mut self) -> Self {
+        if self.interleaved || !matches!(self.ty, BlockType::Q4_K | BlockType::Q6_K) || !q8_available() {
+            return self;
+        }
+        let (rb, bb) = (self.row_bytes(), self.ty.block_bytes());
+        let (chunks, tail) = (bb / 4, bb % 4);
+        let mut group = vec![0u8; 8 * rb];
+        for g in 0..self.rows / 8 {
+            let dst = &mut self.data[g * 8 * rb..(g + 1) * 8 * rb];
+            group.copy_from_slice(dst);
+            for sb in 0..rb / bb {
+                let out = &mut dst[sb * 8 * bb..(sb + 1) * 8 * bb];
+                for r in 0..8 {
+                    let src = &group[r * rb + sb * bb..r * rb + (sb + 1) * bb];
+                    for c in 0..chunks {
+                        out[32 * c + 4 * r..32 * c + 4 * r + 4].copy_from_slice(&src[4 * c..4 * c + 4]);
+                    }
+                    out[32 * chunks + tail * r..32 * chunks + tail * (r + 1)].copy_from_slice(&src[4 * chunks..]);
+                }
+            }
+        }
+        self.interleaved = true;
+        self
+    }
+
+    /// [`PackedMatrix::interleave8`] when the process computes with 8-bit activations
+    /// ([`set_activation_precision`] with [`ActivationPrecision::Q8`]), else `self`: what a model
+    /// loader calls on each host weight after setting the precision.
+    pub fn for_activation_precision(self) -> Self {
+        if activation_precision() == ActivationPrecision::Q8 { self.interleave8() } else { self }
     }
 
     /// Bytes per row.
@@ -772,13 +848,35 @@ impl PackedMatrix {
         self.cols / self.ty.block_len() * self.ty.block_bytes()
     }
 
-    fn row(&self, r: usize) -> &[u8] {
+    /// Row `r`'s GGUF blocks: a slice of the data, or gathered from an interleaved group.
+    fn row(&self, r: usize) -> Cow<'_, [u8]> {
         let rb = self.row_bytes();
-        &self.data[r * rb..(r + 1) * rb]
+        if !self.interleaved || r >= self.rows / 8 * 8 {
+            return Cow::Borrowed(&self.data[r * rb..(r + 1) * rb]);
+        }
+        let bb = self.ty.block_bytes();
+        let (chunks, tail, i) = (bb / 4, bb % 4, r % 8);
+        let group = &self.data[r / 8 * 8 * rb..(r / 8 + 1) * 8 * rb];
+        let mut out = Vec::with_capacity(rb);
+        for blk in group.chunks_exact(8 * bb) {
+            for c in 0..chunks {
+                out.extend_from_slice(&blk[32 * c + 4 * i..32 * c + 4 * i + 4]);
+            }
+            out.extend_from_slice(&blk[32 * chunks + tail * i..32 * chunks + tail * (i + 1)]);
+        }
+        Cow::Owned(out)
+    }
+
+    /// This matrix in GGUF rows (a copy when interleaved).
+    fn gguf(&self) -> Cow<'_, PackedMatrix> {
+        if !self.interleaved {
+            return Cow::Borrowed(self);
+        }
+        Cow::Owned(Self { ty: self.ty, rows: self.rows, cols: self.cols, data: self.gguf_bytes().into_owned(), interleaved: false })
     }
 
     /// A new matrix whose row `i` is row `perm[i]` of this one (e.g. undoing llama.cpp's Q/K
-    /// row permutation without dequantizing).
+    /// row permutation without dequantizing), in GGUF rows.
     ///
     /// # Errors
     /// [`Error::Length`] if an index is out of range.
@@ -789,13 +887,13 @@ impl PackedMatrix {
             if p >= self.rows {
                 return Err(Error::Length { what: "row index", expected: self.rows, actual: p });
             }
-            data.extend_from_slice(self.row(p));
+            data.extend_from_slice(&self.row(p));
         }
-        Ok(Self { ty: self.ty, rows: perm.len(), cols: self.cols, data })
+        Ok(Self { ty: self.ty, rows: perm.len(), cols: self.cols, data, interleaved: false })
     }
 
     /// Stacks matrices of the same type and row length along the rows (fusing Q/K/V or gate/up
-    /// projections into one matmul).
+    /// projections into one matmul), in GGUF rows.
     ///
     /// # Errors
     /// [`Error::Incompatible`] for an empty list or different types / row lengths.
@@ -810,10 +908,10 @@ impl PackedMatrix {
                     first.ty, first.rows, first.cols, p.ty, p.rows, p.cols
                 )));
             }
-            data.extend_from_slice(&p.data);
+            data.extend_from_slice(&p.gguf_bytes());
             rows += p.rows;
         }
-        Ok(Self { ty: first.ty, rows, cols: first.cols, data })
+        Ok(Self { ty: first.ty, rows, cols: first.cols, data, interleaved: false })
     }
 
     /// Dequantizes rows `start .. start + out.len() / cols` into `out` (row-major f32), with
@@ -826,7 +924,7 @@ impl PackedMatrix {
             return Err(Error::Length { what: "dequantized rows", expected: (self.rows - start.min(self.rows)) * self.cols, actual: out.len() });
         }
         for (i, o) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
-            scalar::dequant_row(self.ty, self.row(start + i), o);
+            scalar::dequant_row(self.ty, &self.row(start + i), o);
         }
         Ok(())
     }
@@ -835,7 +933,7 @@ impl PackedMatrix {
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.rows * self.cols];
         if self.cols > 0 {
-            out.par_chunks_mut(self.cols).enumerate().for_each(|(r, o)| scalar::dequant_row(self.ty, self.row(r), o));
+            out.par_chunks_mut(self.cols).enumerate().for_each(|(r, o)| scalar::dequant_row(self.ty, &self.row(r), o));
         }
         out
     }
@@ -932,7 +1030,8 @@ impl PackedMatrix {
             y.fill(0.0);
             return Ok(());
         }
-        self.matmul_fused(x, n, y, isa);
+        // The f32-activation kernels read GGUF rows (see `interleave8`).
+        self.gguf().matmul_fused(x, n, y, isa);
         Ok(())
     }
 
@@ -959,7 +1058,7 @@ impl PackedMatrix {
             y.fill(0.0);
             return Ok(());
         }
-        self.matmul_gemm(x, n, y, Isa::detect());
+        self.gguf().matmul_gemm(x, n, y, Isa::detect());
         Ok(())
     }
 
@@ -1012,6 +1111,7 @@ impl PackedMatrix {
                 let t1 = (t0 + TOKEN_TILE).min(n);
                 for r in rows_here.clone() {
                     let row = self.row(r);
+                    let row = &*row;
                     let mut t = t0;
                     while t < t1 {
                         let take = (t1 - t).min(group);
@@ -1102,11 +1202,13 @@ impl PackedMatrix {
                     qa.isums_lo[t * nb..].as_ptr(),
                 );
                 let stride_rows = if $rk == 8 { rb } else { 0 };
+                // A whole group of 8 rows of an interleaved matrix (the leftover rows are GGUF rows).
+                let il = self.interleaved && $rk == 8;
                 match (vnni, kquant) {
                     (true, false) => x86_512::q8_rows8::<{ $t }>(ty, $wp, stride_rows, nb, xq, xd, xs, xi, cols),
-                    (true, true) => x86_512::q8_rows8_k::<{ $t }>(ty, $wp, stride_rows, nb, xq, xd, xs, xi, xl, cols),
+                    (true, true) => x86_512::q8_rows8_k::<{ $t }>(ty, $wp, stride_rows, il, nb, xq, xd, xs, xi, xl, cols),
                     (false, false) => x86::q8_rows8::<{ $t }>(ty, $wp, stride_rows, nb, xq, xd, xs, xi, cols),
-                    (false, true) => x86::q8_rows8_k::<{ $t }>(ty, $wp, stride_rows, nb, xq, xd, xs, xi, xl, cols),
+                    (false, true) => x86::q8_rows8_k::<{ $t }>(ty, $wp, stride_rows, il, nb, xq, xd, xs, xi, xl, cols),
                 }
             }};
         }
@@ -1236,13 +1338,16 @@ impl PackedMatrix {
             while r < end {
                 // A group of 8 rows, or a leftover row in all lanes (row stride 0).
                 let (rk, stride) = if end - r >= 8 { (8, rb) } else { (1, 0) };
+                // Unit u of the group: 8 rows' super-blocks interleaved, or row r's u-th block.
+                let il = self.interleaved && rk == 8;
                 for u in 0..units {
-                    let (src, dst) = (self.data[r * rb + u * bb..].as_ptr(), pk.wrapping_add(u * unit_bytes));
+                    let at = r * rb + if il { u * 8 * bb } else { u * bb };
+                    let (src, dst) = (self.data[at..].as_ptr(), pk.wrapping_add(u * unit_bytes));
                     // SAFETY: AVX2/FMA/F16C were detected (`q8_isa()`); rows r .. r + rk hold
                     // unit u (a super-block, or a block); the slot range is inside `buf`.
                     unsafe {
                         if kquant {
-                            krepack::repack8(ty, src, stride, dst);
+                            krepack::repack8(ty, src, stride, il, dst);
                         } else {
                             krepack::repack8_32(ty, src, stride, dst);
                         }
@@ -1335,8 +1440,8 @@ impl PackedMatrix {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: AVX2/FMA/F16C checked; row and o have matching sizes.
-                        Isa::Avx2 | Isa::Avx512 => unsafe { x86::dequant_row(self.ty, self.row(r0 + i), o) },
-                        _ => scalar::dequant_row(self.ty, self.row(r0 + i), o),
+                        Isa::Avx2 | Isa::Avx512 => unsafe { x86::dequant_row(self.ty, &self.row(r0 + i), o) },
+                        _ => scalar::dequant_row(self.ty, &self.row(r0 + i), o),
                     }
                 }
                 // dst[n, tr] (row stride `rows`) = x[n, cols] · buf[tr, cols]ᵀ.

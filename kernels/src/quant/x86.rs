@@ -367,6 +367,40 @@ mod tests {
     }
 }
 
+/// [`transpose8x4`] of bytes `off .. off + 16` (`off` a multiple of 4) of one block of 8 rows:
+/// with `IL` false the rows are GGUF rows (row `r`'s block at `p + r · row_bytes`); with `IL`
+/// true the 8 blocks are stored interleaved (`PackedMatrix::interleave8`: 4-byte chunk `c` of
+/// the 8 rows, row `r` at byte `4r`, at `p + 32c`), so the four vectors are plain loads.
+///
+/// # Safety
+/// AVX2; the 8 rows' bytes `off .. off + 16` readable in that layout.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn rows8x4<const IL: bool>(p: *const u8, off: usize, row_bytes: usize) -> [__m256i; 4] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if IL {
+            let q = p.add(8 * off) as *const __m256i;
+            [_mm256_loadu_si256(q), _mm256_loadu_si256(q.add(1)), _mm256_loadu_si256(q.add(2)), _mm256_loadu_si256(q.add(3))]
+        } else {
+            transpose8x4(p.add(off), row_bytes)
+        }
+    }
+}
+
+/// [`transpose8x1`] of bytes `off .. off + 4` of one block of 8 rows, in the layouts of
+/// [`rows8x4`].
+///
+/// # Safety
+/// AVX2; with `IL` false 16 readable bytes at `p + off + r · row_bytes` for r in 0..8, with
+/// `IL` 32 at `p + 8 · off`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn rows8x1<const IL: bool>(p: *const u8, off: usize, row_bytes: usize) -> __m256i {
+    // SAFETY: the caller's contract.
+    unsafe { if IL { _mm256_loadu_si256(p.add(8 * off) as *const __m256i) } else { transpose8x1(p.add(off), row_bytes) } }
+}
+
 /// Rows 0..8 of the 16 bytes at `p + r · row_bytes` as four vectors of 32-bit groups: vector
 /// `c` holds bytes `4c .. 4c + 4` of row `r` in lane `r` (an 8 × 4 transpose of 32-bit words).
 ///
@@ -665,16 +699,17 @@ pub(super) fn byte_f32<const SIGNED: bool>(v: __m256i, j: usize) -> __m256 {
 /// `(d, dmin, sc, mn)` with `d`, `dmin` as f32 and the eight 6-bit scales (`sc[0]` bytes 0..4:
 /// sub-blocks 0..4, `sc[1]`: 4..8) and minima (`mn`) as bytes, decoded from the 12-byte field
 /// with ggml's `kmask1/2/3` shuffle (`ggml_vec_dot_q4_K_q8_K`), which is `get_scale_min_k4`
-/// for all eight sub-blocks at once.
+/// for all eight sub-blocks at once. With `IL` the 8 blocks are interleaved (see [`rows8x4`]).
 ///
 /// # Safety
-/// AVX2; a whole 144-byte block at `blk + r · row_bytes` for r in 0..8.
+/// AVX2; a whole 144-byte block at `blk + r · row_bytes` for r in 0..8 (with `IL` the 8 blocks'
+/// 1152 interleaved bytes at `blk`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q4k_scales8(blk: *const u8, row_bytes: usize) -> (__m256, __m256, [__m256i; 2], [__m256i; 2]) {
-    // SAFETY: bytes 0..28 of each row's block.
+pub(super) unsafe fn q4k_scales8<const IL: bool>(blk: *const u8, row_bytes: usize) -> (__m256, __m256, [__m256i; 2], [__m256i; 2]) {
+    // SAFETY: bytes 0..28 of each row's block (the 4-byte chunks 0..4 interleaved).
     let (dm, u0, u1, u2) = unsafe {
-        (transpose8x1(blk, row_bytes), transpose8x1(blk.add(4), row_bytes), transpose8x1(blk.add(8), row_bytes), transpose8x1(blk.add(12), row_bytes))
+        (rows8x1::<IL>(blk, 0, row_bytes), rows8x1::<IL>(blk, 4, row_bytes), rows8x1::<IL>(blk, 8, row_bytes), rows8x1::<IL>(blk, 12, row_bytes))
     };
     let (k1, k2, k3) = (_mm256_set1_epi32(0x3f3f_3f3f), _mm256_set1_epi32(0x0f0f_0f0f), _mm256_set1_epi32(0x0303_0303));
     let top2 = |u: __m256i| _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u), k3));
@@ -683,13 +718,20 @@ pub(super) unsafe fn q4k_scales8(blk: *const u8, row_bytes: usize) -> (__m256, _
     (halves_to_f32::<false>(dm), halves_to_f32::<true>(dm), sc, mn)
 }
 
-/// The f16 `d` of one Q6_K super-block of 8 rows (at `blk + r · row_bytes`), one row per lane.
+/// The f16 `d` of one Q6_K super-block of 8 rows (at `blk + r · row_bytes`, or interleaved with
+/// `IL`, see [`rows8x4`]), one row per lane.
 ///
 /// # Safety
-/// AVX2; a whole 210-byte block at `blk + r · row_bytes` for r in 0..8.
+/// AVX2; a whole 210-byte block at `blk + r · row_bytes` for r in 0..8 (with `IL` the 8 blocks'
+/// 1680 interleaved bytes at `blk`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q6k_d8(blk: *const u8, row_bytes: usize) -> __m256 {
+pub(super) unsafe fn q6k_d8<const IL: bool>(blk: *const u8, row_bytes: usize) -> __m256 {
+    if IL {
+        // SAFETY: interleaved, the 8 rows' `d` (the 2 bytes after the 52 whole 4-byte chunks)
+        // are 16 bytes at `8 · Q6K_D`.
+        return unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.add(8 * Q6K_D) as *const __m128i)) };
+    }
     // SAFETY: bytes 208..210 of each row's block.
     let ld = |r: usize| unsafe { (blk.add(r * row_bytes + Q6K_D) as *const i16).read_unaligned() };
     _mm256_cvtph_ps(_mm_setr_epi16(ld(0), ld(1), ld(2), ld(3), ld(4), ld(5), ld(6), ld(7)))
@@ -737,6 +779,7 @@ pub(super) unsafe fn q8_rows8_k<const T: usize>(
     ty: BlockType,
     rows: *const u8,
     row_bytes: usize,
+    interleaved: bool,
     nb: usize,
     xq: *const i8,
     xd: *const f32,
@@ -747,9 +790,11 @@ pub(super) unsafe fn q8_rows8_k<const T: usize>(
 ) -> [[f32; 8]; T] {
     // SAFETY: forwarded from the caller.
     unsafe {
-        match ty {
-            BlockType::Q4_K => q8_rows8_k_t::<3, T>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
-            _ => q8_rows8_k_t::<5, T>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+        match (ty, interleaved) {
+            (BlockType::Q4_K, false) => q8_rows8_k_t::<3, T, false>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+            (BlockType::Q4_K, true) => q8_rows8_k_t::<3, T, true>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+            (_, false) => q8_rows8_k_t::<5, T, false>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+            (_, true) => q8_rows8_k_t::<5, T, true>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
         }
     }
 }
@@ -757,7 +802,7 @@ pub(super) unsafe fn q8_rows8_k<const T: usize>(
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_rows8_k_t<const TY: u8, const T: usize>(
+unsafe fn q8_rows8_k_t<const TY: u8, const T: usize, const IL: bool>(
     rows: *const u8,
     row_bytes: usize,
     nb: usize,
@@ -768,5 +813,5 @@ unsafe fn q8_rows8_k_t<const TY: u8, const T: usize>(
     xl: *const i32,
     stride: usize,
 ) -> [[f32; 8]; T] {
-    q8_rows8_k_body!(TY, T, rows, row_bytes, nb, xq, xd, xs, xi, xl, stride, dot16_avx2::<TY>)
+    q8_rows8_k_body!(TY, T, IL, rows, row_bytes, nb, xq, xd, xs, xi, xl, stride, dot16_avx2::<TY>)
 }

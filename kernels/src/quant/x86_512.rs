@@ -231,7 +231,8 @@ fn dot16_vnni(w: [__m256i; 4], x: [__m256i; 4]) -> __m256i {
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C; `ty` is Q4_K or Q6_K; 8 rows (spaced `row_bytes`,
-/// possibly 0) of `nb / 8` super-blocks at `rows`; `xq` holds `T` rows of `nb · 32` codes spaced
+/// possibly 0, or with `interleaved` one interleaved group of 8, `PackedMatrix::interleave8`)
+/// of `nb / 8` super-blocks at `rows`; `xq` holds `T` rows of `nb · 32` codes spaced
 /// `stride`; `xd`, `xs`, `xi`, `xl` hold `T · nb` per-block scales, scaled sums, integer sums and
 /// integer sums of the first 16 codes, spaced `nb`.
 #[allow(clippy::too_many_arguments)]
@@ -240,6 +241,7 @@ pub(super) unsafe fn q8_rows8_k<const T: usize>(
     ty: BlockType,
     rows: *const u8,
     row_bytes: usize,
+    interleaved: bool,
     nb: usize,
     xq: *const i8,
     xd: *const f32,
@@ -250,9 +252,11 @@ pub(super) unsafe fn q8_rows8_k<const T: usize>(
 ) -> [[f32; 8]; T] {
     // SAFETY: forwarded from the caller.
     unsafe {
-        match ty {
-            BlockType::Q4_K => q8_rows8_k_t::<3, T>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
-            _ => q8_rows8_k_t::<5, T>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+        match (ty, interleaved) {
+            (BlockType::Q4_K, false) => q8_rows8_k_t::<3, T, false>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+            (BlockType::Q4_K, true) => q8_rows8_k_t::<3, T, true>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+            (_, false) => q8_rows8_k_t::<5, T, false>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
+            (_, true) => q8_rows8_k_t::<5, T, true>(rows, row_bytes, nb, xq, xd, xs, xi, xl, stride),
         }
     }
 }
@@ -260,7 +264,7 @@ pub(super) unsafe fn q8_rows8_k<const T: usize>(
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q8_rows8_k_t<const TY: u8, const T: usize>(
+unsafe fn q8_rows8_k_t<const TY: u8, const T: usize, const IL: bool>(
     rows: *const u8,
     row_bytes: usize,
     nb: usize,
@@ -271,7 +275,7 @@ unsafe fn q8_rows8_k_t<const TY: u8, const T: usize>(
     xl: *const i32,
     stride: usize,
 ) -> [[f32; 8]; T] {
-    q8_rows8_k_body!(TY, T, rows, row_bytes, nb, xq, xd, xs, xi, xl, stride, dot16_vnni)
+    q8_rows8_k_body!(TY, T, IL, rows, row_bytes, nb, xq, xd, xs, xi, xl, stride, dot16_vnni)
 }
 
 /// Dot products of 8 packed Q4_0 / Q4_1 / Q5_0 / Q8_0 rows with `T` tokens of 8-bit
