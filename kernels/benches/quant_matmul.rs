@@ -141,24 +141,24 @@ fn main() {
         let mut y = vec![0.0f32; 17920];
         // GGUF rows, then the layout the model loads with 8-bit activations (`interleave8`).
         for layers in [layers.clone(), layers.into_iter().map(|l| l.map(PackedMatrix::interleave8)).collect()] {
-        let layout = if layers[0][0].is_interleaved() { "interleaved" } else { "GGUF rows" };
-        for (what, pick) in [("all", [true; 4]), ("Q4_K only", [true, true, true, false]), ("Q6_K only", [false, false, false, true])] {
-            let b: usize = layers.iter().flat_map(|l| l.iter().zip(pick).filter(|(_, p)| *p).map(|(m, _)| m.as_bytes().len())).sum();
-            let s = time(10, || {
-                for l in &layers {
-                    for (m, _) in l.iter().zip(pick).filter(|(_, p)| *p) {
-                        m.matmul_q8(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul_q8");
+            let layout = if layers[0][0].is_interleaved() { "interleaved" } else { "GGUF rows" };
+            for (what, pick) in [("all", [true; 4]), ("Q4_K only", [true, true, true, false]), ("Q6_K only", [false, false, false, true])] {
+                let b: usize = layers.iter().flat_map(|l| l.iter().zip(pick).filter(|(_, p)| *p).map(|(m, _)| m.as_bytes().len())).sum();
+                let s = time(10, || {
+                    for l in &layers {
+                        for (m, _) in l.iter().zip(pick).filter(|(_, p)| *p) {
+                            m.matmul_q8(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul_q8");
+                        }
                     }
-                }
-            });
-            println!("Qwen-1.5B layers ({what}, {layout}), 1 token, Q8act: {:.2} ms, {:.1} MB, {:.1} GB/s", s * 1e3, b as f64 / 1e6, b as f64 / s / 1e9);
-        }
-        // The same kernels on one layer's matrices only (hot in L2/L3): the compute limit.
-        let l = &layers[0];
-        for m in l {
-            let s = time(50, || m.matmul_q8(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul_q8"));
-            println!("{:?} {}x{} hot ({layout}), 1 token, Q8act: {:.1} us, {:.1} GB/s", m.ty(), m.rows(), m.cols(), s * 1e6, m.as_bytes().len() as f64 / s / 1e9);
-        }
+                });
+                println!("Qwen-1.5B layers ({what}, {layout}), 1 token, Q8act: {:.2} ms, {:.1} MB, {:.1} GB/s", s * 1e3, b as f64 / 1e6, b as f64 / s / 1e9);
+            }
+            // The same kernels on one layer's matrices only (hot in L2/L3): the compute limit.
+            let l = &layers[0];
+            for m in l {
+                let s = time(50, || m.matmul_q8(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul_q8"));
+                println!("{:?} {}x{} hot ({layout}), 1 token, Q8act: {:.1} us, {:.1} GB/s", m.ty(), m.rows(), m.cols(), s * 1e6, m.as_bytes().len() as f64 / s / 1e9);
+            }
         }
     }
     // Qwen2.5-Coder-1.5B Q4_K_M prefill: one layer's k-quant matrices with 128 tokens of

@@ -35,7 +35,10 @@
 //!   `vpmaddubsw` + `vpmaddwd`, with the same bits), as llama.cpp does. Every type goes 8 rows
 //!   at a time, one row per 32-bit lane (codes transposed in registers, the next rows
 //!   prefetched; Q4_K / Q6_K scales decoded once per super-block for the 8 rows), which makes
-//!   single-token decode bound by memory bandwidth. From 8 (AVX2) or 32 (VNNI) tokens on
+//!   single-token decode bound by memory bandwidth. Q4_K / Q6_K matrices that will run with
+//!   8-bit activations are interleaved once at load ([`PackedMatrix::interleave8`]: the 8 rows'
+//!   4-byte chunks side by side, a byte permutation), so their codes and scales arrive in that
+//!   layout with plain loads instead of transposes; same bits. From 8 (AVX2) or 32 (VNNI) tokens on
 //!   (prefill), each group of 8 rows is first repacked once per call into a per-task buffer
 //!   (`krepack.rs`: codes transposed and unpacked to bytes, scales decoded to f32, llama.cpp's
 //!   `REPACK` idea done per call so that the stored matrix stays the GGUF blocks), and every
