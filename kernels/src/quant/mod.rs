@@ -685,6 +685,7 @@ fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [
 /// A `[rows, cols]` weight matrix stored as packed GGUF blocks, row-major (row `r` is the
 /// `cols / 32` blocks at bytes `r · row_bytes .. (r + 1) · row_bytes`), or, after
 /// [`PackedMatrix::interleave8`], with the blocks of each group of 8 rows interleaved.
+/// Equality compares the stored bytes, so the two layouts of one matrix are not equal.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PackedMatrix {
     ty: BlockType,
@@ -736,6 +737,19 @@ impl<T> SyncPtr<T> {
     pub fn get(self) -> *mut T {
         self.0
     }
+}
+
+/// Where [`PackedMatrix::interleave8`] puts the bytes of row `r` (0..8) of one super-block of 8
+/// rows of `bb`-byte blocks: `(bytes of the row's block, bytes of the 8 interleaved blocks)`
+/// pairs, in the order of the row's bytes: 4-byte chunk `c` at `32c + 4r`, then the `bb mod 4`
+/// bytes after the last whole chunk at `32 · ⌊bb/4⌋ + r · (bb mod 4)`. The one definition of the
+/// layout on the host side; the kernels' loads (`x86::rows8x4`, `x86::rows8x1`, `x86::q6k_d8`)
+/// read the same offsets.
+fn interleaved_spans(bb: usize, r: usize) -> impl Iterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)> {
+    let (chunks, tail) = (bb / 4, bb % 4);
+    (0..chunks)
+        .map(move |c| (4 * c..4 * c + 4, 32 * c + 4 * r..32 * c + 4 * r + 4))
+        .chain(std::iter::once((4 * chunks..bb, 32 * chunks + tail * r..32 * chunks + tail * (r + 1))))
 }
 
 impl PackedMatrix {
@@ -819,7 +833,6 @@ impl PackedMatrix {
             return self;
         }
         let (rb, bb) = (self.row_bytes(), self.ty.block_bytes());
-        let (chunks, tail) = (bb / 4, bb % 4);
         let mut group = vec![0u8; 8 * rb];
         for g in 0..self.rows / 8 {
             let dst = &mut self.data[g * 8 * rb..(g + 1) * 8 * rb];
@@ -828,10 +841,9 @@ impl PackedMatrix {
                 let out = &mut dst[sb * 8 * bb..(sb + 1) * 8 * bb];
                 for r in 0..8 {
                     let src = &group[r * rb + sb * bb..r * rb + (sb + 1) * bb];
-                    for c in 0..chunks {
-                        out[32 * c + 4 * r..32 * c + 4 * r + 4].copy_from_slice(&src[4 * c..4 * c + 4]);
+                    for (from, to) in interleaved_spans(bb, r) {
+                        out[to].copy_from_slice(&src[from]);
                     }
-                    out[32 * chunks + tail * r..32 * chunks + tail * (r + 1)].copy_from_slice(&src[4 * chunks..]);
                 }
             }
         }
@@ -858,14 +870,13 @@ impl PackedMatrix {
             return Cow::Borrowed(&self.data[r * rb..(r + 1) * rb]);
         }
         let bb = self.ty.block_bytes();
-        let (chunks, tail, i) = (bb / 4, bb % 4, r % 8);
         let group = &self.data[r / 8 * 8 * rb..(r / 8 + 1) * 8 * rb];
         let mut out = Vec::with_capacity(rb);
         for blk in group.chunks_exact(8 * bb) {
-            for c in 0..chunks {
-                out.extend_from_slice(&blk[32 * c + 4 * i..32 * c + 4 * i + 4]);
+            // The spans come in the order of the row's bytes.
+            for (_, at) in interleaved_spans(bb, r % 8) {
+                out.extend_from_slice(&blk[at]);
             }
-            out.extend_from_slice(&blk[32 * chunks + tail * i..32 * chunks + tail * (i + 1)]);
         }
         Cow::Owned(out)
     }
