@@ -67,20 +67,16 @@ unsafe fn put_slot(p: *mut u8, w: &[__m256i; 8], a: __m256, b: __m256) {
 /// the 8 blocks' interleaved bytes at `blk`); `GROUP_SB_BYTES` writable bytes at `out`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn repack8(ty: BlockType, blk: *const u8, row_bytes: usize, interleaved: bool, out: *mut u8) {
-    let mut q = 0;
     // SAFETY: the caller's contract; the 8 slots are inside the group.
     unsafe {
-        let mut put = |_s: usize, w: &[__m256i; 8], a: __m256, b: __m256| {
-            put_slot(out.add(q * SLOT_BYTES), w, a, b);
-            q += 1;
-        };
         const IL: bool = true;
         const GGUF: bool = false;
+        // Sub-block `s` goes to slot `slot_sub(s)`: the visiting order is its own inverse.
         match (ty == BlockType::Q4_K, interleaved) {
-            (true, false) => kquant_sub_blocks!(3, blk, row_bytes, GGUF, put),
-            (true, true) => kquant_sub_blocks!(3, blk, row_bytes, IL, put),
-            (false, false) => kquant_sub_blocks!(5, blk, row_bytes, GGUF, put),
-            (false, true) => kquant_sub_blocks!(5, blk, row_bytes, IL, put),
+            (true, false) => kquant_sub_blocks!(3, blk, row_bytes, GGUF, |s, w, a, b| { put_slot(out.add(slot_sub::<3>(s) * SLOT_BYTES), w, a, b) }),
+            (true, true) => kquant_sub_blocks!(3, blk, row_bytes, IL, |s, w, a, b| { put_slot(out.add(slot_sub::<3>(s) * SLOT_BYTES), w, a, b) }),
+            (false, false) => kquant_sub_blocks!(5, blk, row_bytes, GGUF, |s, w, a, b| { put_slot(out.add(slot_sub::<5>(s) * SLOT_BYTES), w, a, b) }),
+            (false, true) => kquant_sub_blocks!(5, blk, row_bytes, IL, |s, w, a, b| { put_slot(out.add(slot_sub::<5>(s) * SLOT_BYTES), w, a, b) }),
         }
     }
 }

@@ -59,52 +59,69 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
+/// Expands `$body` once per literal of the list, with `$v` (a `usize`) bound to it, so that the
+/// shift counts, lane indices and array indices derived from it are constants in each copy.
+/// Written out because LLVM left the sub-block loops of `kquant_sub_blocks!` rolled: it spilled
+/// the code vectors to the stack and emulated Q6_K's 16-bit shifts by a loop-dependent count
+/// with seven instructions each (`perf annotate` of Qwen2.5-1.5B's decode, 2026-12-07).
+#[cfg(target_arch = "x86_64")]
+macro_rules! unroll {
+    ($v:ident in [$($i:literal),*] $body:block) => {{
+        $({
+            let $v: usize = $i;
+            $body
+        })*
+    }};
+}
+
 /// Visits the eight 32-weight sub-blocks of one Q4_K (`$ty` 3) or Q6_K (5) super-block of 8
 /// rows (row `r` at `$blk + r · $rb`, `$rb` possibly 0; with `$il` true the 8 rows' blocks
-/// interleaved at `$blk` instead, `PackedMatrix::interleave8`), one row per 32-bit lane, calling
-/// `$f(s, &w, da, db)` with sub-block `s`, its 8 transposed code vectors `w` (vector `g`:
-/// weights `4g .. 4g + 4`; Q4_K's 4-bit codes, Q6_K's 6-bit codes before the `− 32`) and its
-/// scale vectors: Q4_K `d·sc` and `dmin·m` (6-bit scales and minima decoded with ggml's `kmask`
-/// shuffle of the 12-byte field on all 8 rows at once, `ggml_vec_dot_q4_K_q8_K`), Q6_K `d·sc`
-/// of weights 0..16 and of 16..32. Q4_K in the order 0..8; Q6_K 0, 2, 1, 3, 4, 6, 5, 7 (the two
+/// interleaved at `$blk` instead, `PackedMatrix::interleave8`), one row per 32-bit lane, running
+/// the closure-like `|s, w, da, db| body` (written out in place at each of the 8 sub-blocks, so
+/// that it is always inlined) with sub-block `s`, its 8 transposed code vectors
+/// `w: &[__m256i; 8]` (vector `g`: weights `4g .. 4g + 4`; Q4_K's 4-bit codes, Q6_K's 6-bit
+/// codes before the `− 32`) and its scale vectors: Q4_K `d·sc` and `dmin·m` (6-bit scales and
+/// minima decoded with ggml's `kmask` shuffle of the 12-byte field on all 8 rows at once,
+/// `ggml_vec_dot_q4_K_q8_K`), Q6_K `d·sc` of weights 0..16 and of 16..32. Q4_K in the order 0..8; Q6_K 0, 2, 1, 3, 4, 6, 5, 7 (the two
 /// nibbles of a `ql` byte run are sub-blocks `s` and `s + 2`). Shared by the k-quant kernels
 /// (`q8_rows8_k_body!`) and the repacking of `krepack.rs`, so both see the same codes and
 /// scales. Expanded inside an `unsafe` block of an AVX2 + FMA + F16C function whose caller
 /// guarantees the 8 whole blocks.
 #[cfg(target_arch = "x86_64")]
 macro_rules! kquant_sub_blocks {
-    ($ty:expr, $blk:expr, $rb:expr, $il:ident, $f:ident) => {{
+    ($ty:expr, $blk:expr, $rb:expr, $il:ident, |$s:ident, $w:ident, $da:ident, $db:ident| $body:block) => {{
         use crate::quant::x86::{byte_f32, q4k_scales8, q6k_d8, q6k_high_bits, rows8x4};
         use crate::quant::{Q6K_QH, Q6K_SCALES};
         let (blk, rb) = ($blk, $rb);
         let m4 = _mm256_set1_epi8(0x0F);
         if $ty == 3 {
             let (d, dmin, sc, mn) = q4k_scales8::<$il>(blk, rb);
-            for j in 0..4 {
+            unroll!(j in [0, 1, 2, 3] {
                 // Sub-blocks 2j (low nibbles) and 2j + 1 (high) share these 32 bytes.
                 let v = rows8x4::<$il>(blk, 16 + 32 * j, rb);
                 let u = rows8x4::<$il>(blk, 32 + 32 * j, rb);
-                for h in 0..2 {
+                unroll!(h in [0, 1] {
                     let s = 2 * j + h;
                     let nib = |c: __m256i| _mm256_and_si256(if h == 0 { c } else { _mm256_srli_epi16(c, 4) }, m4);
                     let w = [nib(v[0]), nib(v[1]), nib(v[2]), nib(v[3]), nib(u[0]), nib(u[1]), nib(u[2]), nib(u[3])];
                     let dsc = _mm256_mul_ps(d, byte_f32::<false>(sc[s / 4], s % 4));
                     let dmn = _mm256_mul_ps(dmin, byte_f32::<false>(mn[s / 4], s % 4));
-                    $f(s, &w, dsc, dmn);
-                }
-            }
+                    let ($s, $w, $da, $db): (usize, &[__m256i; 8], __m256, __m256) = (s, &w, dsc, dmn);
+                    $body
+                });
+            });
         } else {
             let d = q6k_d8::<$il>(blk, rb);
             let sv = rows8x4::<$il>(blk, Q6K_SCALES, rb);
-            for h in 0..2 {
+            unroll!(h in [0, 1] {
                 // The high 2 bits of the half's 4 sub-blocks (weights 0..16, 16..32).
                 let qa = rows8x4::<$il>(blk, Q6K_QH + 32 * h, rb);
                 let qb = rows8x4::<$il>(blk, Q6K_QH + 32 * h + 16, rb);
-                for p in 0..2 {
+                unroll!(p in [0, 1] {
                     // Sub-blocks 4h + p (low nibbles) and 4h + p + 2 (high) share these.
                     let la = rows8x4::<$il>(blk, 64 * h + 32 * p, rb);
                     let lb = rows8x4::<$il>(blk, 64 * h + 32 * p + 16, rb);
-                    for n in 0..2 {
+                    unroll!(n in [0, 1] {
                         let g = p + 2 * n;
                         let s = 4 * h + g;
                         let code = |l: __m256i, q: __m256i| _mm256_or_si256(_mm256_and_si256(if n == 0 { l } else { _mm256_srli_epi16(l, 4) }, m4), q6k_high_bits(q, g));
@@ -120,10 +137,11 @@ macro_rules! kquant_sub_blocks {
                         ];
                         let dlo = _mm256_mul_ps(d, byte_f32::<true>(sv[s / 2], 2 * (s % 2)));
                         let dhi = _mm256_mul_ps(d, byte_f32::<true>(sv[s / 2], 2 * (s % 2) + 1));
-                        $f(s, &w, dlo, dhi);
-                    }
-                }
-            }
+                        let ($s, $w, $da, $db): (usize, &[__m256i; 8], __m256, __m256) = (s, &w, dlo, dhi);
+                        $body
+                    });
+                });
+            });
         }
     }};
 }
@@ -183,7 +201,7 @@ macro_rules! q8_rows8_k_body {
                 }
                 // One token's contribution of sub-block `s` (codes `w`, lane scales `dlo` for
                 // weights 0..16 and `dhi` for 16..32, or for Q4_K `dlo` = d·sc and `dhi` = dmin·m).
-                let mut step = |s: usize, w: &[__m256i; 8], dlo: __m256, dhi: __m256| {
+                kquant_sub_blocks!($ty, blk, $rb, $il, |s, w, dlo, dhi| {
                     for k in 0..$t {
                         let xb = $xq.add(k * $stride + (sb * 8 + s) * BLOCK) as *const i32;
                         let x: [__m256i; 8] = std::array::from_fn(|g| _mm256_set1_epi32(xb.add(g).read_unaligned()));
@@ -204,8 +222,7 @@ macro_rules! q8_rows8_k_body {
                             acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(dhi, dx), acc[k]);
                         }
                     }
-                };
-                kquant_sub_blocks!($ty, blk, $rb, $il, step);
+                });
             }
         }
         // Token-major: token k's 8 rows are one vector.
