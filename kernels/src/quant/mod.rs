@@ -180,23 +180,30 @@ macro_rules! q8_rows8_k_body {
             // 8·sb .. 8·sb + 8 are in bounds (the caller's contract).
             unsafe {
                 let blk = if $il { $rows.add(sb * 8 * bb) } else { $rows.add(sb * bb) };
-                // The next 8 rows (contiguous after these when `row_bytes` is the row size): one
-                // super-block's share of their bytes per super-block of these. With one token
-                // (decode: DRAM-bound) into L2 (`T1`): a k-quant row group is 7-60 KB
-                // (Qwen2.5-1.5B's Q4_K projections, its Q6_K `ffn_down`), and pulled a whole
-                // group ahead into L1 it evicted the lines in use. On the AMD EPYC (Zen 4) of
-                // 2026-12-06, `quant_matmul kquant` (Qwen-1.5B's 28 layers, one token, 2
-                // threads, three runs each): 51-60 ms with `T0`, 34-40 ms with `T1`. With more
-                // tokens (compute-bound, each row group reused by every token tile) into L1
-                // (`T0`), which kept Qwen-1.5B's prefill ~8 % faster there. The smaller-block
-                // kernels (`q8_rows8`) keep `T0`, which measured better for SmolLM2's Q4_1 /
-                // Q8_0 rows of 0.4-1.6 KB.
-                let ahead = $rows.add(8 * $rb + sb * 8 * bb);
+                // With one token (decode: DRAM-bound) on interleaved rows, whose bytes are one
+                // sequential stream: `PREFETCH_IL_BYTES` ahead of this super-block into L2
+                // (`T1`). Otherwise the next 8 rows (contiguous after these when `row_bytes` is
+                // the row size), one super-block's share of their bytes per super-block of
+                // these: with one token into L2 (`T1`), a k-quant row group being 7-60 KB
+                // (Qwen2.5-1.5B's Q4_K projections, its Q6_K `ffn_down`), which pulled a whole
+                // group ahead into L1 evicted the lines in use (on the AMD EPYC (Zen 4) of
+                // 2026-12-06, `quant_matmul kquant`, GGUF rows: 51-60 ms with `T0`, 34-40 ms
+                // with `T1`); with more tokens (compute-bound, each row group reused by every
+                // token tile) into L1 (`T0`), which kept Qwen-1.5B's prefill ~8 % faster there.
+                // The smaller-block kernels (`q8_rows8`) keep `T0`, which measured better for
+                // SmolLM2's Q4_1 / Q8_0 rows of 0.4-1.6 KB.
+                // (`wrapping_add`: past the last rows these addresses may be outside the data,
+                // which a prefetch may name.)
+                let ahead = if $t == 1 && $il {
+                    $rows.wrapping_add(sb * 8 * bb + crate::quant::PREFETCH_IL_BYTES)
+                } else {
+                    $rows.wrapping_add(8 * $rb + sb * 8 * bb)
+                };
                 for l in (0..8 * bb).step_by(64) {
                     if $t == 1 {
-                        _mm_prefetch::<_MM_HINT_T1>(ahead.add(l) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l) as *const i8);
                     } else {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l) as *const i8);
                     }
                 }
                 // One token's contribution of sub-block `s` (codes `w`, lane scales `dlo` for
@@ -259,6 +266,15 @@ const TILE_T: usize = 4;
 /// the 8 code vectors and the temporaries). The AVX2 kernels (16 registers) take [`TILE_T`].
 #[cfg(target_arch = "x86_64")]
 const TILE_T_VNNI: usize = 8;
+
+/// How far ahead of the super-block in use the one-token k-quant kernels prefetch interleaved
+/// rows (`PackedMatrix::interleave8`: each task's bytes are one sequential stream). On the AMD
+/// EPYC (Zen 3, AVX2) of 2026-12-07, `quant_matmul kquant` (Qwen-1.5B's 28 layers from DRAM, 2
+/// threads, fastest / median of 3-4 runs on a noisy host): 54-59 / 61-69 ms at 8 KiB, 59-61 /
+/// 71-73 ms at 2-4 KiB, 61 / 76 ms at 16 KiB, 70 / 75 ms at 32 KiB, against 69-71 / 80-94 ms
+/// when prefetching the next row group (7-60 KB ahead) and 92 ms with no software prefetch.
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_IL_BYTES: usize = 8 * 1024;
 
 /// Bytes of packed rows per sub-chunk of the tiled kernels: they stay in L1/L2 while every
 /// token group passes over them.
