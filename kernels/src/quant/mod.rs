@@ -180,35 +180,44 @@ macro_rules! q8_rows8_k_body {
             // 8·sb .. 8·sb + 8 are in bounds (the caller's contract).
             unsafe {
                 let blk = if $il { $rows.add(sb * 8 * bb) } else { $rows.add(sb * bb) };
-                // With one token (decode: DRAM-bound) on interleaved rows, whose bytes are one
-                // sequential stream: `PREFETCH_IL_BYTES` ahead of this super-block into L2
-                // (`T1`). Otherwise the next 8 rows (contiguous after these when `row_bytes` is
-                // the row size), one super-block's share of their bytes per super-block of
-                // these: with one token into L2 (`T1`), a k-quant row group being 7-60 KB
-                // (Qwen2.5-1.5B's Q4_K projections, its Q6_K `ffn_down`), which pulled a whole
-                // group ahead into L1 evicted the lines in use (on the AMD EPYC (Zen 4) of
-                // 2026-12-06, `quant_matmul kquant`, GGUF rows: 51-60 ms with `T0`, 34-40 ms
-                // with `T1`); with more tokens (compute-bound, each row group reused by every
-                // token tile) into L1 (`T0`), which kept Qwen-1.5B's prefill ~8 % faster there.
-                // The smaller-block kernels (`q8_rows8`) keep `T0`, which measured better for
-                // SmolLM2's Q4_1 / Q8_0 rows of 0.4-1.6 KB.
-                // (`wrapping_add`: past the last rows these addresses may be outside the data,
-                // which a prefetch may name.)
-                let ahead = if $t == 1 && $il {
-                    $rows.wrapping_add(sb * 8 * bb + crate::quant::PREFETCH_IL_BYTES)
-                } else {
-                    $rows.wrapping_add(8 * $rb + sb * 8 * bb)
-                };
-                for l in (0..8 * bb).step_by(64) {
-                    if $t == 1 {
-                        _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l) as *const i8);
-                    } else {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l) as *const i8);
+                // Prefetch. With one token (decode: DRAM-bound) on interleaved rows, whose bytes
+                // are one sequential stream: into L1 (`T0`), `PREFETCH_IL_BYTES` ahead, spread
+                // over the 8 sub-blocks below (`bb` bytes each). Otherwise here, at once: the
+                // next 8 rows (contiguous after these when `row_bytes` is the row size), one
+                // super-block's share of their bytes per super-block of these: with one token
+                // into L2 (`T1`), a k-quant row group being 7-60 KB (Qwen2.5-1.5B's Q4_K
+                // projections, its Q6_K `ffn_down`), which pulled a whole group ahead into L1
+                // evicted the lines in use (on the AMD EPYC (Zen 4) of 2026-12-06, `quant_matmul
+                // kquant`, GGUF rows: 51-60 ms with `T0`, 34-40 ms with `T1`); with more tokens
+                // (compute-bound, each row group reused by every token tile) into L1 (`T0`),
+                // which kept Qwen-1.5B's prefill ~8 % faster there. The smaller-block kernels
+                // (`q8_rows8`) keep `T0`, which measured better for SmolLM2's Q4_1 / Q8_0 rows of
+                // 0.4-1.6 KB. (`wrapping_add`: past the last rows these addresses may be outside
+                // the data, which a prefetch may name.)
+                let spread = $t == 1 && $il;
+                if !spread {
+                    let ahead = $rows.wrapping_add(8 * $rb + sb * 8 * bb);
+                    for l in (0..8 * bb).step_by(64) {
+                        if $t == 1 {
+                            _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(l) as *const i8);
+                        } else {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l) as *const i8);
+                        }
                     }
                 }
                 // One token's contribution of sub-block `s` (codes `w`, lane scales `dlo` for
                 // weights 0..16 and `dhi` for 16..32, or for Q4_K `dlo` = d·sc and `dhi` = dmin·m).
                 kquant_sub_blocks!($ty, blk, $rb, $il, |s, w, dlo, dhi| {
+                    if spread {
+                        // The `bb` bytes `PREFETCH_IL_BYTES + s · bb` ahead of this super-block
+                        // (a line that straddles two shares is the next share's first). As
+                        // `asm!` (not pure): LLVM moves `_mm_prefetch` freely, and sank these
+                        // 8 shares into one burst at the end of the super-block.
+                        let ahead = blk.wrapping_add(crate::quant::PREFETCH_IL_BYTES + s * bb);
+                        for l in 0..bb.div_ceil(64) {
+                            std::arch::asm!("prefetcht0 [{p}]", p = in(reg) ahead.wrapping_add(64 * l), options(nostack, preserves_flags));
+                        }
+                    }
                     for k in 0..$t {
                         let xb = $xq.add(k * $stride + (sb * 8 + s) * BLOCK) as *const i32;
                         let x: [__m256i; 8] = std::array::from_fn(|g| _mm256_set1_epi32(xb.add(g).read_unaligned()));
@@ -268,11 +277,17 @@ const TILE_T: usize = 4;
 const TILE_T_VNNI: usize = 8;
 
 /// How far ahead of the super-block in use the one-token k-quant kernels prefetch interleaved
-/// rows (`PackedMatrix::interleave8`: each task's bytes are one sequential stream). On the AMD
-/// EPYC (Zen 3, AVX2) of 2026-12-07, `quant_matmul kquant` (Qwen-1.5B's 28 layers from DRAM, 2
-/// threads, fastest / median of 3-4 runs on a noisy host): 54-59 / 61-69 ms at 8 KiB, 59-61 /
-/// 71-73 ms at 2-4 KiB, 61 / 76 ms at 16 KiB, 70 / 75 ms at 32 KiB, against 69-71 / 80-94 ms
-/// when prefetching the next row group (7-60 KB ahead) and 92 ms with no software prefetch.
+/// rows (`PackedMatrix::interleave8`: each task's bytes are one sequential stream), a share of
+/// `block_bytes` per 32-weight sub-block. On the AMD EPYC (Zen 3, AVX2) of 2026-12-07,
+/// `quant_matmul kquant` (Qwen-1.5B's 28 layers from DRAM, 2 threads, fastest / median of 3
+/// runs on a noisy host, probe 17-22 GB/s), a prototype with the pattern chosen at run time:
+/// spread over the sub-blocks into L1, 43-45 / 45-49 ms at 4-8 KiB, 48-50 / 50-52 ms at 12-24
+/// KiB; spread into L2 (`T1`) 44-47 / 52-55 ms; the super-block's whole share at once before
+/// its first sub-block (`T1`, 8 KiB) 56-59 / 61-69 ms; the next row group's share (7-60 KB
+/// ahead) 69-71 / 80-94 ms; no software prefetch 92 ms. Then this kernel against the burst one,
+/// alternated: 53.5 / 56.3 against 66.0 / 73.7 ms, the Q6_K `ffn_down` matrices alone 22.0 /
+/// 23.2 against 38.7 / 42.1 ms (8 → 14 GB/s): a burst of 18-27 prefetches per super-block had
+/// left the memory idle while the core computed.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_IL_BYTES: usize = 8 * 1024;
 
