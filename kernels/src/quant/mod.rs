@@ -82,10 +82,10 @@ macro_rules! unroll {
 /// `w: &[__m256i; 8]` (vector `g`: weights `4g .. 4g + 4`; Q4_K's 4-bit codes, Q6_K's 6-bit
 /// codes before the `− 32`) and its scale vectors: Q4_K `d·sc` and `dmin·m` (6-bit scales and
 /// minima decoded with ggml's `kmask` shuffle of the 12-byte field on all 8 rows at once,
-/// `ggml_vec_dot_q4_K_q8_K`), Q6_K `d·sc` of weights 0..16 and of 16..32. Q4_K in the order 0..8; Q6_K 0, 2, 1, 3, 4, 6, 5, 7 (the two
-/// nibbles of a `ql` byte run are sub-blocks `s` and `s + 2`). Shared by the k-quant kernels
-/// (`q8_rows8_k_body!`) and the repacking of `krepack.rs`, so both see the same codes and
-/// scales. Expanded inside an `unsafe` block of an AVX2 + FMA + F16C function whose caller
+/// `ggml_vec_dot_q4_K_q8_K`), Q6_K `d·sc` of weights 0..16 and of 16..32. Q4_K in the order
+/// 0..8; Q6_K 0, 2, 1, 3, 4, 6, 5, 7 (the two nibbles of a `ql` byte run are sub-blocks `s` and
+/// `s + 2`). Shared by the k-quant kernels (`q8_rows8_k_body!`) and the repacking of
+/// `krepack.rs`, so both see the same codes and scales. Expanded inside an `unsafe` block of an AVX2 + FMA + F16C function whose caller
 /// guarantees the 8 whole blocks.
 #[cfg(target_arch = "x86_64")]
 macro_rules! kquant_sub_blocks {
@@ -280,14 +280,13 @@ const TILE_T_VNNI: usize = 8;
 /// rows (`PackedMatrix::interleave8`: each task's bytes are one sequential stream), a share of
 /// `block_bytes` per 32-weight sub-block. On the AMD EPYC (Zen 3, AVX2) of 2026-12-07,
 /// `quant_matmul kquant` (Qwen-1.5B's 28 layers from DRAM, 2 threads, fastest / median of 3
-/// runs on a noisy host, probe 17-22 GB/s), a prototype with the pattern chosen at run time:
-/// spread over the sub-blocks into L1, 43-45 / 45-49 ms at 4-8 KiB, 48-50 / 50-52 ms at 12-24
-/// KiB; spread into L2 (`T1`) 44-47 / 52-55 ms; the super-block's whole share at once before
-/// its first sub-block (`T1`, 8 KiB) 56-59 / 61-69 ms; the next row group's share (7-60 KB
-/// ahead) 69-71 / 80-94 ms; no software prefetch 92 ms. Then this kernel against the burst one,
-/// alternated: 53.5 / 56.3 against 66.0 / 73.7 ms, the Q6_K `ffn_down` matrices alone 22.0 /
-/// 23.2 against 38.7 / 42.1 ms (8 → 14 GB/s): a burst of 18-27 prefetches per super-block had
-/// left the memory idle while the core computed.
+/// runs on a noisy host, probe 17-22 GB/s): this kernel 53.5 / 56.3 ms against 66.0 / 73.7 ms
+/// with the same 8 KiB prefetched in one burst per super-block, the Q6_K `ffn_down` matrices
+/// alone 22.0 / 23.2 against 38.7 / 42.1 ms (8 → 14 GB/s): the burst had left the memory idle
+/// while the core computed. A prototype choosing the pattern at run time put 4-8 KiB spread
+/// into L1 ahead of 12-24 KiB, of spreading into L2 (`T1`), and far ahead of the next row
+/// group's share (7-60 KB ahead, 70-71 / 80-94 ms) and of no software prefetch (92 ms); the
+/// table is in docs/performance.md (twenty-third session).
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_IL_BYTES: usize = 8 * 1024;
 
