@@ -72,11 +72,16 @@ pub(super) unsafe fn repack8(ty: BlockType, blk: *const u8, row_bytes: usize, in
         const IL: bool = true;
         const GGUF: bool = false;
         // Sub-block `s` goes to slot `slot_sub(s)`: the visiting order is its own inverse.
+        macro_rules! repack {
+            ($ty:literal, $il:ident) => {
+                kquant_sub_blocks!($ty, blk, row_bytes, $il, |s, w, a, b| { put_slot(out.add(slot_sub::<$ty>(s) * SLOT_BYTES), w, a, b) })
+            };
+        }
         match (ty == BlockType::Q4_K, interleaved) {
-            (true, false) => kquant_sub_blocks!(3, blk, row_bytes, GGUF, |s, w, a, b| { put_slot(out.add(slot_sub::<3>(s) * SLOT_BYTES), w, a, b) }),
-            (true, true) => kquant_sub_blocks!(3, blk, row_bytes, IL, |s, w, a, b| { put_slot(out.add(slot_sub::<3>(s) * SLOT_BYTES), w, a, b) }),
-            (false, false) => kquant_sub_blocks!(5, blk, row_bytes, GGUF, |s, w, a, b| { put_slot(out.add(slot_sub::<5>(s) * SLOT_BYTES), w, a, b) }),
-            (false, true) => kquant_sub_blocks!(5, blk, row_bytes, IL, |s, w, a, b| { put_slot(out.add(slot_sub::<5>(s) * SLOT_BYTES), w, a, b) }),
+            (true, false) => repack!(3, GGUF),
+            (true, true) => repack!(3, IL),
+            (false, false) => repack!(5, GGUF),
+            (false, true) => repack!(5, IL),
         }
     }
 }

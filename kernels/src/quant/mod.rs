@@ -38,9 +38,9 @@
 //!   single-token decode bound by memory bandwidth. Q4_K / Q6_K matrices that will run with
 //!   8-bit activations are interleaved once at load ([`PackedMatrix::interleave8`]: the 8 rows'
 //!   4-byte chunks side by side, a byte permutation), so their codes and scales arrive in that
-//!   layout with plain loads instead of transposes; same bits. From 8 (AVX2) or 32 (VNNI) tokens on
-//!   (prefill), each group of 8 rows is first repacked once per call into a per-task buffer
-//!   (`krepack.rs`: codes transposed and unpacked to bytes, scales decoded to f32, llama.cpp's
+//!   layout with plain loads instead of transposes; same bits. From 8 (AVX2) or 32 (VNNI)
+//!   tokens on (prefill), each group of 8 rows is first repacked once per call into a per-task
+//!   buffer (`krepack.rs`: codes transposed and unpacked to bytes, scales decoded to f32, llama.cpp's
 //!   `REPACK` idea done per call so that the stored matrix stays the GGUF blocks), and every
 //!   group of tokens reads that copy in spans of 64 blocks held in L1; the same bits as the
 //!   per-token-group kernels. About 2× faster than the f32 path at one token, but
@@ -85,8 +85,8 @@ macro_rules! unroll {
 /// `ggml_vec_dot_q4_K_q8_K`), Q6_K `d·sc` of weights 0..16 and of 16..32. Q4_K in the order
 /// 0..8; Q6_K 0, 2, 1, 3, 4, 6, 5, 7 (the two nibbles of a `ql` byte run are sub-blocks `s` and
 /// `s + 2`). Shared by the k-quant kernels (`q8_rows8_k_body!`) and the repacking of
-/// `krepack.rs`, so both see the same codes and scales. Expanded inside an `unsafe` block of an AVX2 + FMA + F16C function whose caller
-/// guarantees the 8 whole blocks.
+/// `krepack.rs`, so both see the same codes and scales. Expanded inside an `unsafe` block of an
+/// AVX2 + FMA + F16C function whose caller guarantees the 8 whole blocks.
 #[cfg(target_arch = "x86_64")]
 macro_rules! kquant_sub_blocks {
     ($ty:expr, $blk:expr, $rb:expr, $il:ident, |$s:ident, $w:ident, $da:ident, $db:ident| $body:block) => {{
