@@ -571,11 +571,14 @@ unsafe fn gemm_tiled<const M: usize, const N: usize>(x: &[f32], n: usize, w: &[f
     });
 }
 
+thread_local! {
+    /// The split-K partial sums of [`matmul`]'s streaming path (every architecture),
+    /// `[tasks, n, out]`, kept by the calling thread between calls.
+    static PARTIALS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 #[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// The split-K partial sums of [`matmul`]'s streaming path, `[tasks, n, out]`, kept by the
-    /// calling thread between calls.
-    static PARTIALS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The packed weight block (`KC × NC`) and token panel (`KC × MR`) of [`gemm_avx512`], one
     /// pair per worker thread, reused across calls (a fresh 1.1 MiB block per task cost page
     /// faults and zeroing comparable to a small projection's arithmetic). Every element a tile

@@ -40,6 +40,7 @@ pub const QB: usize = 32;
 /// Key positions per tile: equal to [`QB`], so every query row of a block has at least one
 /// unmasked key in every tile it reads (the tiles start at multiples of `QB`, up to the
 /// block's first token).
+#[cfg(target_arch = "x86_64")]
 const KT: usize = QB;
 
 /// Whether [`causal_window_attention`] runs here: an x86-64 CPU with AVX2 and FMA (and
