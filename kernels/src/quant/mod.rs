@@ -402,7 +402,9 @@ pub(crate) const Q6K_D: usize = 208;
 /// The 6-bit code (0..64, before the `− 32`) of weight `l` (0..32) of 32-weight sub-block `k`
 /// (0..8) of a Q6_K block, as ggml's `dequantize_row_q6_K`: in half `h = k / 4`, group
 /// `g = k % 4` takes the low (`g < 2`) or high nibble of `ql[64h + 32(g % 2) + l]` and bits
-/// `2g, 2g + 1` of `qh[32h + l]`. Its scale is `scales[8h + 2g + l / 16]`.
+/// `2g, 2g + 1` of `qh[32h + l]`. Its scale is `scales[8h + 2g + l / 16]`. The per-weight
+/// definition the kernels' tests check their decoding against.
+#[cfg_attr(not(test), allow(dead_code))]
 #[inline]
 pub(crate) fn q6k_code(blk: &[u8], k: usize, l: usize) -> u8 {
     let (h, g) = (k / 4, k % 4);
@@ -1065,9 +1067,11 @@ impl PackedMatrix {
             y.fill(0.0);
             return Ok(());
         }
-        let qa = QuantizedActivations::quantize(x, n, self.cols)?;
         #[cfg(target_arch = "x86_64")]
-        self.matmul_tiled_q8(&qa, n, y, isa == Isa::Avx512);
+        {
+            let qa = QuantizedActivations::quantize(x, n, self.cols)?;
+            self.matmul_tiled_q8(&qa, n, y, isa == Isa::Avx512);
+        }
         Ok(())
     }
 
@@ -1157,10 +1161,13 @@ impl PackedMatrix {
 
     fn matmul_fused(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) {
         let cols = self.cols;
+        #[cfg(target_arch = "x86_64")]
         let nb = cols / BLOCK;
-        // Per-block sums of x (the `m · Σx` term of Q4_1 and of Q4_K's sub-blocks; the AVX-512
-        // kernel folds `m` into the dequantized weights instead, the scalar Q4_K code too).
-        let xsum: Vec<f32> = if (self.ty == BlockType::Q4_1 && isa != Isa::Avx512) || (self.ty == BlockType::Q4_K && isa == Isa::Avx2) {
+        // Per-block sums of x (the `m · Σx` term of Q4_1 and of Q4_K's sub-blocks in the AVX2
+        // kernels; the AVX-512 kernel folds `m` into the dequantized weights instead, and the
+        // portable path dequantizes whole rows).
+        #[cfg(target_arch = "x86_64")]
+        let xsum: Vec<f32> = if (self.ty == BlockType::Q4_1 || self.ty == BlockType::Q4_K) && isa == Isa::Avx2 {
             x.chunks_exact(BLOCK).map(|c| c.iter().sum()).collect()
         } else {
             Vec::new()
@@ -1178,13 +1185,20 @@ impl PackedMatrix {
             return;
         }
         let group = 4;
+        // The portable path (no AVX2: other architectures, `DECO_KERNELS=scalar`): each row
+        // dequantized once per token tile, then a vectorizable dot product per token.
+        let portable = isa == Isa::Scalar;
         crate::team::par_for(rows.div_ceil(chunk), |ci| {
             let rows_here = ci * chunk..((ci + 1) * chunk).min(rows);
+            let mut wrow = if portable { vec![0.0f32; cols] } else { Vec::new() };
             for t0 in (0..n).step_by(TOKEN_TILE) {
                 let t1 = (t0 + TOKEN_TILE).min(n);
                 for r in rows_here.clone() {
                     let row = self.row(r);
                     let row = &*row;
+                    if portable {
+                        scalar::dequant_row(ty, row, &mut wrow);
+                    }
                     let mut t = t0;
                     while t < t1 {
                         let take = (t1 - t).min(group);
@@ -1208,8 +1222,7 @@ impl PackedMatrix {
                             _ => {
                                 for (k, o) in out.iter_mut().enumerate().take(take) {
                                     let tt = t + k;
-                                    let xs = if xsum.is_empty() { &[][..] } else { &xsum[tt * nb..(tt + 1) * nb] };
-                                    *o = scalar::dot(ty, row, &x[tt * cols..(tt + 1) * cols], xs);
+                                    *o = scalar::dot_f32(&wrow, &x[tt * cols..(tt + 1) * cols]);
                                 }
                             }
                         }
