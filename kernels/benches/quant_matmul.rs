@@ -139,8 +139,10 @@ fn main() {
             .collect();
         let x: Vec<f32> = (0..8960).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut y = vec![0.0f32; 17920];
-        // GGUF rows, then the layout the model loads with 8-bit activations (`interleave8`).
-        for layers in [layers.clone(), layers.into_iter().map(|l| l.map(PackedMatrix::interleave8)).collect()] {
+        // GGUF rows, then the layout the model loads with 8-bit activations (`interleave8`). On
+        // a spinning thread team, as the model's forward pass runs its kernels.
+        let all = [layers.clone(), layers.into_iter().map(|l| l.map(PackedMatrix::interleave8)).collect()];
+        rayon::scope(|_| deco_kernels::team::with_team(|| for layers in all {
             let layout = if layers[0][0].is_interleaved() { "interleaved" } else { "GGUF rows" };
             for (what, pick) in [("all", [true; 4]), ("Q4_K only", [true, true, true, false]), ("Q6_K only", [false, false, false, true])] {
                 let b: usize = layers.iter().flat_map(|l| l.iter().zip(pick).filter(|(_, p)| *p).map(|(m, _)| m.as_bytes().len())).sum();
@@ -159,7 +161,7 @@ fn main() {
                 let s = time(50, || m.matmul_q8(black_box(&x[..m.cols()]), 1, &mut y[..m.rows()]).expect("matmul_q8"));
                 println!("{:?} {}x{} hot ({layout}), 1 token, Q8act: {:.1} us, {:.1} GB/s", m.ty(), m.rows(), m.cols(), s * 1e6, m.as_bytes().len() as f64 / s / 1e9);
             }
-        }
+        }));
     }
     // Qwen2.5-Coder-1.5B Q4_K_M prefill: one layer's k-quant matrices with 128 tokens of
     // 8-bit activations (compute-bound; `DECO_KERNELS=avx2` for the AVX2 kernels,
