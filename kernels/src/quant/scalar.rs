@@ -133,6 +133,9 @@ pub(super) fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
 
 #[cfg(test)]
 mod tests {
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
     use super::super::{Q6K_D, q6k_code};
     use super::*;
 
@@ -140,15 +143,10 @@ mod tests {
     /// definitions (`q6k_code`, and ggml's `d·sc·q − dmin·m` for Q4_K) bit for bit.
     #[test]
     fn sub_blocks_match_the_per_weight_definitions() {
-        let mut s = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0x9E37_79B9);
         for _ in 0..64 {
-            let mut blk: Vec<u8> = (0..210).map(|_| next() as u8).collect();
+            let mut blk = [0u8; 210];
+            rng.fill(&mut blk[..]);
             // Finite scales: d = 0.5 (f16 0x3800) for Q6_K; Q4_K's d and dmin likewise.
             blk[Q6K_D..Q6K_D + 2].copy_from_slice(&0x3800u16.to_le_bytes());
             let mut out = [0.0f32; 32];
