@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use deco_kernels::quant::{BlockType, Isa, PackedMatrix, q8_available};
+use deco_kernels::quant::{BlockType, Isa, PackedMatrix, q8_isa};
 
 fn matrix(ty: BlockType, rows: usize, cols: usize, seed: u8) -> PackedMatrix {
     let bb = ty.block_bytes();
@@ -61,7 +61,7 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 
 fn main() {
     let shapes = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)];
-    println!("threads={} isa={:?}", rayon::current_num_threads(), Isa::detect());
+    println!("threads={} isa={:?} q8_isa={:?}", rayon::current_num_threads(), Isa::detect(), q8_isa());
     println!("{:<6} {:<5} {:<8} {:>4} {:>10} {:>8} {:>8}", "type", "isa", "shape", "n", "us/call", "GB/s", "GMAC/s");
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let keep = |name: String| args.is_empty() || args.contains(&name);
@@ -71,10 +71,10 @@ fn main() {
         if !any_ty && !keep(format!("{ty:?}")) {
             continue;
         }
-        // `None`: the 8-bit-activation VNNI kernel (`matmul_q8`), printed as isa `Q8act`.
+        // `None`: the 8-bit-activation kernel of `q8_isa()` (`matmul_q8`), printed as isa `Q8act`.
         for isa in [Some(Isa::Scalar), Some(Isa::Avx2), Some(Isa::Avx512), None] {
             let name = isa.map_or("Q8act".to_string(), |i| format!("{i:?}"));
-            let available = isa.map_or(q8_available(), |i| i.is_available());
+            let available = isa.is_none_or(|i| i.is_available());
             if !available || (!any_isa && !keep(name.clone())) {
                 continue;
             }
@@ -102,9 +102,6 @@ fn main() {
         let x: Vec<f32> = (0..1536).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut y = vec![0.0f32; 3072];
         for q8 in [false, true] {
-            if q8 && !q8_available() {
-                continue;
-            }
             let s = time(20, || {
                 for l in &layers {
                     for m in l {
@@ -126,7 +123,7 @@ fn main() {
     }
     // Qwen2.5-Coder-1.5B Q4_K_M decode: 28 layers of distinct k-quant matrices (q/k/v, o,
     // gate/up Q4_K; down Q6_K), 8-bit activations, one token: ~830 MB streamed per pass.
-    if q8_available() && (args.is_empty() || args.iter().any(|a| a == "kquant")) {
+    if args.is_empty() || args.iter().any(|a| a == "kquant") {
         let layers: Vec<[PackedMatrix; 4]> = (0..28u8)
             .map(|l| {
                 [
@@ -166,7 +163,7 @@ fn main() {
     // Qwen2.5-Coder-1.5B Q4_K_M prefill: one layer's k-quant matrices with 128 tokens of
     // 8-bit activations (compute-bound; `DECO_KERNELS=avx2` for the AVX2 kernels,
     // `KPREFILL_N` for another token count).
-    if q8_available() && (args.is_empty() || args.iter().any(|a| a == "kprefill")) {
+    if args.is_empty() || args.iter().any(|a| a == "kprefill") {
         let n: usize = std::env::var("KPREFILL_N").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
         let x: Vec<f32> = (0..n * 8960).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
         let mut y = vec![0.0f32; n * 17920];

@@ -2,7 +2,7 @@
 //! scalar `dequantize_row_*`), then multiply in f64.
 
 use deco_formats::ggml;
-use deco_kernels::quant::{ActivationPrecision, BlockType, Isa, PackedMatrix, QuantizedActivations, q8_available, set_activation_precision};
+use deco_kernels::quant::{BlockType, Isa, PackedMatrix, QuantizedActivations, q8_isa};
 use proptest::prelude::*;
 
 mod common;
@@ -209,16 +209,15 @@ fn bad_inputs_are_errors() {
     assert!(m.matmul(&[0.0; 32], 1, &mut y).is_ok());
 }
 
-/// The instruction sets `matmul_q8_with` runs on here.
+/// The instruction sets `matmul_q8_with` runs on here: the portable kernel everywhere, and
+/// the x86 ones this CPU has.
 fn q8_isas() -> Vec<Isa> {
-    let mut v = Vec::new();
-    if q8_available() {
-        let mut y = [0.0f32; 1];
-        let m = PackedMatrix::new(BlockType::Q8_0, 1, 32, vec![0; 34]).expect("ok");
-        for isa in [Isa::Avx2, Isa::Avx512] {
-            if m.matmul_q8_with(&[0.0; 32], 1, &mut y, isa).is_ok() {
-                v.push(isa);
-            }
+    let mut v = vec![Isa::Scalar];
+    let mut y = [0.0f32; 1];
+    let m = PackedMatrix::new(BlockType::Q8_0, 1, 32, vec![0; 34]).expect("ok");
+    for isa in [Isa::Avx2, Isa::Avx512] {
+        if m.matmul_q8_with(&[0.0; 32], 1, &mut y, isa).is_ok() {
+            v.push(isa);
         }
     }
     v
@@ -244,7 +243,7 @@ fn check_q8(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64, isa: I
     // The interleaved layout of the k-quant kernels (`interleave8`; other types unchanged):
     // the same bits, every path (tiled, repacked, leftover rows), and the same GGUF rows back.
     let mi = m.clone().interleave8();
-    prop_assert_eq!(mi.is_interleaved(), matches!(ty, BlockType::Q4_K | BlockType::Q6_K));
+    prop_assert_eq!(mi.is_interleaved(), matches!(ty, BlockType::Q4_K | BlockType::Q6_K) && q8_isa() != Isa::Scalar);
     prop_assert_eq!(&mi.gguf_bytes()[..], m.as_bytes());
     let mut yi = vec![f32::NAN; n * rows];
     mi.matmul_q8_with(&x, n, &mut yi, isa).expect("matmul_q8 interleaved");
@@ -261,6 +260,13 @@ fn check_q8(ty: BlockType, rows: usize, cols: usize, n: usize, seed: u64, isa: I
         let mut yv = vec![f32::NAN; n * rows];
         m.matmul_q8_with(&x, n, &mut yv, Isa::Avx512).expect("matmul_q8 vnni");
         prop_assert_eq!(bits(&y), bits(&yv), "{:?}: AVX2 and VNNI kernels differ", ty);
+    }
+    // The portable kernel (ARM, CPUs without AVX2) follows the x86 kernels' float operations
+    // on the same exact integer sums: the same bits as the AVX2 kernels, every block type.
+    if isa == Isa::Scalar && q8_isas().contains(&Isa::Avx2) {
+        let mut yx = vec![f32::NAN; n * rows];
+        m.matmul_q8_with(&x, n, &mut yx, Isa::Avx2).expect("matmul_q8 avx2");
+        prop_assert_eq!(bits(&y), bits(&yx), "{:?} rows={} n={}: portable and AVX2 kernels differ", ty, rows, n);
     }
     for t in 0..n {
         for r in 0..rows {
@@ -363,9 +369,10 @@ fn interleaved_rows_read_as_gguf_rows() {
         let (rows, cols, n) = (19usize, 512usize, 3usize);
         let m = PackedMatrix::new(ty, rows, cols, quantize(ty, &values(11, rows * cols, 0.5))).expect("packed");
         let mi = m.clone().interleave8();
-        assert_eq!(mi.is_interleaved(), q8_available(), "{ty:?}");
+        let x86_q8 = q8_isa() != Isa::Scalar;
+        assert_eq!(mi.is_interleaved(), x86_q8, "{ty:?}");
         assert_eq!(mi.as_bytes().len(), m.as_bytes().len(), "{ty:?}: a permutation keeps the size");
-        if q8_available() {
+        if x86_q8 {
             assert_ne!(mi.as_bytes(), m.as_bytes(), "{ty:?}: interleaving moved no byte");
         }
         assert_eq!(mi.dequantize(), m.dequantize(), "{ty:?}");
@@ -396,9 +403,12 @@ fn q8_bad_inputs_are_errors() {
     let m = PackedMatrix::new(ty, 2, 64, quantize(ty, &values(1, 2 * 64, 1.0))).expect("m");
     let mut y = vec![0.0; 2];
     assert!(m.matmul_q8(&[0.0; 63], 1, &mut y).is_err());
-    if !q8_available() {
-        assert!(m.matmul_q8(&[0.0; 64], 1, &mut y).is_err());
-        assert!(set_activation_precision(ActivationPrecision::Q8).is_err());
+    assert!(m.matmul_q8(&[0.0; 64], 1, &mut y[..1]).is_err());
+    // An instruction set this CPU lacks is refused, not silently replaced.
+    for isa in [Isa::Avx2, Isa::Avx512] {
+        if !q8_isas().contains(&isa) {
+            assert!(m.matmul_q8_with(&[0.0; 64], 1, &mut y, isa).is_err(), "{isa:?}");
+        }
     }
 }
 

@@ -102,8 +102,9 @@ pub struct ModelArgs {
     pub threads: Option<usize>,
     /// Quantize the activations to 8 bits per block of 32 inside the packed-weight (GGUF
     /// Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) matmuls and use integer dot products, as llama.cpp does:
-    /// faster, less accurate (see docs/performance.md). Needs an x86-64 CPU with AVX2 (AVX-512
-    /// VNNI when present; both give the same bits).
+    /// faster, less accurate (see docs/performance.md). Any CPU: AVX-512 VNNI or AVX2 integer
+    /// kernels on x86-64, NEON on ARM (`sdot` with the dotprod extension), portable loops
+    /// elsewhere; all give the same bits.
     #[arg(long)]
     pub q8_activations: bool,
     /// PEFT LoRA adapter directory (`deco lora train`, `peft` `save_pretrained`) merged into the

@@ -43,7 +43,10 @@
 //!   buffer (`krepack.rs`: codes transposed and unpacked to bytes, scales decoded to f32, llama.cpp's
 //!   `REPACK` idea done per call so that the stored matrix stays the GGUF blocks), and every
 //!   group of tokens reads that copy in spans of 64 blocks held in L1; the same bits as the
-//!   per-token-group kernels. About 2× faster than the f32 path at one token, but
+//!   per-token-group kernels. Other CPUs (ARM, x86-64 without AVX2) run a portable row kernel
+//!   (`scalar::q8_row`) whose integer block sums are NEON on aarch64 (`sdot` with the
+//!   `dotprod` extension, else `smull` + `sadalp`, `neon.rs`) and plain Rust elsewhere, with the
+//!   x86 kernels' float operations in their order: the same bits. About 2× faster than the f32 path at one token, but
 //!   each activation carries a rounding error of up to `max|x_block| / 254`, so logits move by
 //!   ~1e-2 instead of ~1e-6;
 //!   the golden-logit bound of deco's tests (2e-3) is for the default f32 path.
@@ -253,6 +256,8 @@ macro_rules! q8_rows8_k_body {
 
 #[cfg(target_arch = "x86_64")]
 mod krepack;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -506,7 +511,7 @@ pub enum ActivationPrecision {
     /// activations up to f32 rounding (the default; what the golden-logit tests check).
     F32,
     /// Activations quantized to 8 bits per block of 32 ([`QuantizedActivations`]) and integer
-    /// dot products, as llama.cpp: faster, less accurate. Needs AVX2 ([`q8_available`]).
+    /// dot products, as llama.cpp: faster, less accurate. Every CPU ([`q8_isa`]).
     Q8,
 }
 
@@ -515,14 +520,10 @@ static ACTIVATION_Q8: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicB
 /// Sets the activation precision of every later [`PackedMatrix::matmul`] in this process.
 ///
 /// # Errors
-/// [`Error::Unsupported`] for [`ActivationPrecision::Q8`] on a CPU without AVX2 (see
-/// [`q8_available`]; the setting is then unchanged).
+/// None today: every precision runs on every CPU (the 8-bit-activation kernels have a
+/// portable and a NEON path, [`q8_isa`]). The `Result` stays so that a precision a CPU cannot
+/// run can be refused.
 pub fn set_activation_precision(p: ActivationPrecision) -> Result<()> {
-    if p == ActivationPrecision::Q8 && !q8_available() {
-        return Err(Error::Unsupported(
-            "8-bit activations need an x86-64 CPU with AVX2, FMA and F16C (integer kernels for every type with AVX-512 VNNI); this one lacks them".into(),
-        ));
-    }
     ACTIVATION_Q8.store(p == ActivationPrecision::Q8, std::sync::atomic::Ordering::Relaxed);
     Ok(())
 }
@@ -532,27 +533,24 @@ pub fn activation_precision() -> ActivationPrecision {
     if ACTIVATION_Q8.load(std::sync::atomic::Ordering::Relaxed) { ActivationPrecision::Q8 } else { ActivationPrecision::F32 }
 }
 
-/// Whether this CPU can run [`PackedMatrix::matmul_q8`]: AVX-512 F/BW/VL/VNNI or AVX2 + FMA +
-/// F16C (integer kernels for every block type on both, with the same bits).
-/// `DECO_KERNELS=scalar` turns it off, `DECO_KERNELS=avx2` selects the AVX2 kernels.
-pub fn q8_available() -> bool {
-    q8_isa().is_some()
-}
-
-/// The instruction set of the 8-bit-activation kernels: [`Isa::Avx512`] with VNNI, else
-/// [`Isa::Avx2`], else none.
-fn q8_isa() -> Option<Isa> {
+/// The instruction set [`PackedMatrix::matmul_q8`] runs on: [`Isa::Avx512`] with AVX-512 VNNI,
+/// else [`Isa::Avx2`] with AVX2 + FMA + F16C (integer kernels for every block type on both,
+/// with the same bits), else [`Isa::Scalar`]: the portable row kernel, whose integer block sums
+/// are NEON on aarch64 (`sdot` with the `dotprod` extension) and plain Rust elsewhere, with the
+/// same bits as the x86 kernels. `DECO_KERNELS=scalar` selects the portable kernel,
+/// `DECO_KERNELS=avx2` the AVX2 kernels.
+pub fn q8_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
         match Isa::detect() {
-            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Some(Isa::Avx512),
-            Isa::Avx512 | Isa::Avx2 => Some(Isa::Avx2),
-            Isa::Scalar => None,
+            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Isa::Avx512,
+            Isa::Avx512 | Isa::Avx2 => Isa::Avx2,
+            Isa::Scalar => Isa::Scalar,
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        None
+        Isa::Scalar
     }
 }
 
@@ -757,7 +755,8 @@ impl std::fmt::Debug for PackedMatrix {
     }
 }
 
-#[inline]
+// Always inlined: a call per block was ~7 % of the portable kernels' time.
+#[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
 }
@@ -868,8 +867,9 @@ impl PackedMatrix {
     /// `sb`, the 8 rows' blocks (`B` = 144 or 210 bytes each) take bytes
     /// `sb · 8B .. (sb + 1) · 8B` of the group, 4-byte chunk `c` of row `r` at `32c + 4r`, and the
     /// `B mod 4` bytes after the last whole chunk (Q6_K's `d`) of row `r` at `32 · ⌊B/4⌋ + r · (B
-    /// mod 4)`. The `rows mod 8` last rows stay GGUF rows. Other block types, and CPUs without the
-    /// 8-bit-activation kernels ([`q8_available`]), are returned unchanged.
+    /// mod 4)`. The `rows mod 8` last rows stay GGUF rows. Other block types, and CPUs whose
+    /// 8-bit-activation kernel is the portable one ([`q8_isa`] is [`Isa::Scalar`]: it reads GGUF
+    /// rows), are returned unchanged.
     ///
     /// The 8-bit-activation kernels ([`PackedMatrix::matmul_q8`]) give the same bits on either
     /// layout. Everything else reads GGUF rows: [`PackedMatrix::dequantize_rows`] and the row
@@ -878,7 +878,7 @@ impl PackedMatrix {
     /// whole matrix back to GGUF rows, a copy per call: interleave only matrices that will run
     /// with 8-bit activations ([`PackedMatrix::for_activation_precision`]).
     pub fn interleave8(mut self) -> Self {
-        if self.interleaved || !matches!(self.ty, BlockType::Q4_K | BlockType::Q6_K) || !q8_available() {
+        if self.interleaved || !matches!(self.ty, BlockType::Q4_K | BlockType::Q6_K) || q8_isa() == Isa::Scalar {
             return self;
         }
         let (rb, bb) = (self.row_bytes(), self.ty.block_bytes());
@@ -1019,17 +1019,15 @@ impl PackedMatrix {
     /// ([`QuantizedActivations`]), integer dot products, f32 block scaling and accumulation
     /// (llama.cpp's `ggml_vec_dot_q4_1_q8_1` and siblings). Batch-invariant, multithreaded and
     /// tiled as the f32 path. Runs on the best of [`PackedMatrix::matmul_q8_with`]'s
-    /// instruction sets this CPU has ([`q8_available`]).
+    /// instruction sets this CPU has ([`q8_isa`]).
     ///
     /// Error bound per output: `Σ_b (d_b / 2) · Σ_{i∈b} |w_i|` from the activation rounding
     /// (`d_b` the block's activation scale) plus f32 rounding.
     ///
     /// # Errors
-    /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] without AVX2
-    /// ([`q8_available`]).
+    /// [`Error::Length`] as [`PackedMatrix::matmul`].
     pub fn matmul_q8(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<()> {
-        let isa = q8_isa().ok_or_else(|| Error::Unsupported("matmul_q8 needs AVX2 (see q8_available)".into()))?;
-        self.matmul_q8_with(x, n, y, isa)
+        self.matmul_q8_with(x, n, y, q8_isa())
     }
 
     /// [`PackedMatrix::matmul_q8`] on an explicit instruction set:
@@ -1037,11 +1035,15 @@ impl PackedMatrix {
     ///   (one row per 32-bit lane) and up to 8 tokens per pass over the rows;
     /// - [`Isa::Avx2`]: `vpmaddubsw` + `vpmaddwd` (ggml's AVX2 `mul_sum_us8_pairs_float`), the
     ///   same row groups; the same integer block sums and float operations as the VNNI kernels,
-    ///   so the same bits (4 tokens per pass: 16 vector registers).
+    ///   so the same bits (4 tokens per pass: 16 vector registers);
+    /// - [`Isa::Scalar`] (any CPU): one row and up to 4 tokens at a time, integer block sums in
+    ///   NEON on aarch64 (`sdot` where the CPU has `dotprod`, else `smull` / `sadalp`) or plain
+    ///   Rust, the same float operations in the same order with `f32::mul_add`: the same bits
+    ///   as the x86 kernels (`scalar::q8_row`).
     ///
     /// # Errors
-    /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] for
-    /// [`Isa::Scalar`] or an instruction set this CPU lacks.
+    /// [`Error::Length`] as [`PackedMatrix::matmul`]; [`Error::Unsupported`] for an instruction
+    /// set this CPU lacks.
     pub fn matmul_q8_with(&self, x: &[f32], n: usize, y: &mut [f32], isa: Isa) -> Result<()> {
         if x.len() != n * self.cols {
             return Err(Error::Length { what: "x", expected: n * self.cols, actual: x.len() });
@@ -1049,16 +1051,13 @@ impl PackedMatrix {
         if y.len() != n * self.rows {
             return Err(Error::Length { what: "y", expected: n * self.rows, actual: y.len() });
         }
-        #[cfg(target_arch = "x86_64")]
         let ok = match isa {
-            Isa::Avx512 => q8_isa() == Some(Isa::Avx512),
-            Isa::Avx2 => q8_isa().is_some(),
-            Isa::Scalar => false,
+            Isa::Avx512 => q8_isa() == Isa::Avx512,
+            Isa::Avx2 => q8_isa() != Isa::Scalar,
+            Isa::Scalar => true,
         };
-        #[cfg(not(target_arch = "x86_64"))]
-        let ok = false;
         if !ok {
-            return Err(Error::Unsupported(format!("matmul_q8 on {isa:?}: this CPU lacks it (see q8_available)")));
+            return Err(Error::Unsupported(format!("matmul_q8 on {isa:?}: this CPU lacks it (see q8_isa)")));
         }
         if n == 0 || self.rows == 0 {
             return Ok(());
@@ -1067,12 +1066,61 @@ impl PackedMatrix {
             y.fill(0.0);
             return Ok(());
         }
+        let qa = QuantizedActivations::quantize(x, n, self.cols)?;
         #[cfg(target_arch = "x86_64")]
-        {
-            let qa = QuantizedActivations::quantize(x, n, self.cols)?;
+        if isa != Isa::Scalar {
             self.matmul_tiled_q8(&qa, n, y, isa == Isa::Avx512);
+            return Ok(());
         }
+        self.matmul_portable_q8(&qa, n, y);
         Ok(())
+    }
+
+    /// The [`Isa::Scalar`] path of [`PackedMatrix::matmul_q8_with`]: row chunks on the team as
+    /// [`PackedMatrix::matmul_fused`]; per row, the tokens in tiles of 64 and groups of 4
+    /// (`scalar::q8_row`: each block's codes decoded once per group). The integer block sums
+    /// run in NEON on aarch64 (with `sdot` when the CPU has `dotprod`, detected once per call).
+    /// An interleaved matrix (`interleave8`, which only happens when the x86 kernels exist) is
+    /// first copied back to GGUF rows.
+    fn matmul_portable_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32]) {
+        #[cfg(target_arch = "aarch64")]
+        if std::arch::is_aarch64_feature_detected!("dotprod") {
+            return self.gguf().portable_q8_with::<neon::NeonDot>(qa, n, y);
+        }
+        #[cfg(target_arch = "aarch64")]
+        return self.gguf().portable_q8_with::<neon::Neon>(qa, n, y);
+        #[cfg(not(target_arch = "aarch64"))]
+        self.gguf().portable_q8_with::<scalar::PortableDot>(qa, n, y)
+    }
+
+    fn portable_q8_with<D: scalar::BlockDot>(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32]) {
+        // Tokens per pass over a row chunk (their codes stay in L2 while the rows go by), and
+        // per group sharing one decoding of a row's blocks.
+        const TOKEN_TILE: usize = 64;
+        const GROUP: usize = 4;
+        let (rows, cols) = (self.rows, self.cols);
+        let chunk = self.chunk_rows(cols * n / 4);
+        let yp = SyncPtr(y.as_mut_ptr());
+        crate::team::par_for(rows.div_ceil(chunk), |ci| {
+            let rows_here = ci * chunk..((ci + 1) * chunk).min(rows);
+            for t0 in (0..n).step_by(TOKEN_TILE) {
+                let t1 = (t0 + TOKEN_TILE).min(n);
+                for r in rows_here.clone() {
+                    let row = self.row(r);
+                    let mut t = t0;
+                    while t < t1 {
+                        let take = (t1 - t).min(GROUP);
+                        let mut out = [0.0f32; GROUP];
+                        scalar::q8_row::<D>(self.ty, &row, qa, cols, t, &mut out[..take]);
+                        for (k, o) in out.iter().enumerate().take(take) {
+                            // SAFETY: (t + k, r) is inside y and row r belongs to this task only.
+                            unsafe { *yp.get().add((t + k) * rows + r) = *o };
+                        }
+                        t += take;
+                    }
+                }
+            }
+        });
     }
 
     /// [`PackedMatrix::matmul`] with an explicit instruction set (falls back to
