@@ -1,7 +1,8 @@
 //! Host f32 matmul (`deco_kernels::dense::matmul`) at SmolLM2-135M's prefill shapes: GFLOP/s,
 //! median of 15 calls after 3 warm-ups; then the Gram matrix `xᵀx` (`dense::gram`) at its two
-//! widths, median of 6 calls. `DECO_KERNELS=avx2` runs the `gemm` crate's path on an
-//! AVX-512 CPU, for an A/B of the same binary. On CPUs with AVX-512 BF16 each line also gives
+//! widths, median of 6 calls, next to the `gemm` crate's path (`gram_with(.., Isa::Scalar)`,
+//! what ran before deco's AVX2 tile) in the same run. `DECO_KERNELS=avx2` holds an AVX-512 CPU
+//! to the AVX2 kernels, for an A/B of the same binary. On CPUs with AVX-512 BF16 each line also gives
 //! the bf16 products of the compression jobs' calibration (`deco_kernels::bf16`) on the same
 //! inputs, measured in the same run.
 //!
@@ -56,6 +57,11 @@ fn main() {
             std::hint::black_box(deco_kernels::dense::gram(&x, n, cols).expect("gram"));
         });
         print!("gram     {n:5} x {cols:5}: {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
+        let isa = deco_kernels::quant::Isa::Scalar;
+        let med = median_secs(8, 2, || {
+            std::hint::black_box(deco_kernels::dense::gram_with(&x, n, cols, isa).expect("gram"));
+        });
+        print!("   gemm crate {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
         if bf16 {
             let med = median_secs(8, 2, || {
                 std::hint::black_box(deco_kernels::bf16::gram(&x, n, cols).expect("bf16 gram"));

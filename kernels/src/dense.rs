@@ -21,6 +21,8 @@
 //!   `DECO_KERNELS=avx2`, see `docs/performance.md`).
 //! - Otherwise (no AVX2, other architectures): the `gemm` crate (the f32 micro-kernels
 //!   burn-flex uses), one call per rayon task on its range of output columns.
+//! - The Gram matrix `xᵀx` of the calibration Hessians ([`gram`]): the lower blocks on the same
+//!   register tiles (AVX-512 or AVX2), else on the `gemm` crate.
 //!
 //! A token's result depends on which path ran (the summation orders differ by f32 rounding),
 //! not on the other tokens of the call within the streaming, AVX-512 and AVX2 paths, nor on the
@@ -183,10 +185,11 @@ const GRAM_BLOCK: usize = 128;
 ///
 /// Symmetric rank-k update (BLAS `ssyrk`): only the blocks on and below the diagonal are
 /// multiplied (about half the `n · cols²` multiply-adds of a full product), in parallel over the
-/// blocks, then mirrored. With AVX-512 the blocks are `192 × 192` and run on deco's register
-/// tile ([`gemm_avx512`]'s, with `x`'s columns packed as the broadcast side; strips wholly above
-/// the diagonal skipped); otherwise `128 × 128` blocks on the `gemm` crate. Used for the
-/// calibration Hessians of GPTQ and SparseGPT (`H = 2 XᵀX / n`).
+/// blocks, then mirrored. With AVX-512 or AVX2 the blocks are `192 × 192` and run on deco's
+/// register tiles ([`gemm_avx512`]'s 12 × 32 or [`gemm_avx2`]'s 6 × 16, with `x`'s columns
+/// packed as the broadcast side; strips wholly above the diagonal skipped); otherwise
+/// `128 × 128` blocks on the `gemm` crate. Used for the calibration Hessians of GPTQ and
+/// SparseGPT (`H = 2 XᵀX / n`).
 ///
 /// # Shapes
 /// - `x`: `[n, cols]`
@@ -195,6 +198,16 @@ const GRAM_BLOCK: usize = 128;
 /// # Errors
 /// [`Error::Length`] when `x.len() != n · cols`.
 pub fn gram(x: &[f32], n: usize, cols: usize) -> Result<Vec<f32>> {
+    gram_with(x, n, cols, Isa::detect())
+}
+
+/// [`gram`] with an explicit instruction set (for tests and benchmarks); one this CPU lacks
+/// falls back to [`Isa::Scalar`] (the `gemm` crate).
+///
+/// # Errors
+/// As [`gram`].
+pub fn gram_with(x: &[f32], n: usize, cols: usize, isa: Isa) -> Result<Vec<f32>> {
+    let isa = if isa.is_available() { isa } else { Isa::Scalar };
     if x.len() != n * cols {
         return Err(Error::Length { what: "gram x", expected: n * cols, actual: x.len() });
     }
@@ -203,9 +216,16 @@ pub fn gram(x: &[f32], n: usize, cols: usize) -> Result<Vec<f32>> {
         return Ok(g);
     }
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx512 {
-        // SAFETY: `Isa::detect` found AVX-512 F; `x` is `n · cols`, `g` is `cols · cols`.
-        unsafe { gram_avx512(x, n, cols, &mut g) };
+    if isa != Isa::Scalar {
+        // SAFETY: `isa` is available: AVX-512 F, or AVX2 and FMA; `x` is `n · cols`, `g` is
+        // `cols · cols`.
+        unsafe {
+            if isa == Isa::Avx512 {
+                gram_tiled::<MR, NR>(x, n, cols, &mut g, tile_avx512);
+            } else {
+                gram_tiled::<MR_AVX2, NR_AVX2>(x, n, cols, &mut g, tile_avx2);
+            }
+        }
         mirror_lower(&mut g, cols);
         return Ok(g);
     }
@@ -272,13 +292,13 @@ fn pack_columns<const L: usize>(x: &[f32], cols: usize, j0: usize, j1: usize, ds
     }
 }
 
-/// Rows and columns of `xᵀx` per task of [`gram_avx512`]: 16 register tiles tall, 6 strips wide
-/// (SmolLM2's 576 and 1,536 features are 3 and 8 blocks).
+/// Rows and columns of `xᵀx` per task of [`gram_tiled`]: 16 register tiles tall, 6 strips wide
+/// with AVX-512 (32 and 12 with AVX2); SmolLM2's 576 and 1,536 features are 3 and 8 blocks.
 #[cfg(target_arch = "x86_64")]
 pub(crate) const GRAM_TILE: usize = 192;
 
 /// The `(row block, column block)` pairs of [`GRAM_TILE`] blocks on and below the diagonal of a
-/// `[cols, cols]` Gram matrix: the tasks of [`gram_avx512`] and of [`crate::bf16::gram`].
+/// `[cols, cols]` Gram matrix: the tasks of [`gram_tiled`] and of [`crate::bf16::gram`].
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn lower_blocks(cols: usize) -> Vec<(usize, usize)> {
     let nb = cols.div_ceil(GRAM_TILE);
@@ -286,50 +306,55 @@ pub(crate) fn lower_blocks(cols: usize) -> Vec<(usize, usize)> {
 }
 
 /// The blocks on and below the diagonal of `g = xᵀ x` (`x` is `[n, cols]`, `g` is
-/// `[cols, cols]`, zero on entry) with AVX-512 F: [`gemm_avx512`]'s blocking with the features
-/// as both sides. Per task (a `GRAM_TILE` block of `g`) and per [`KC`] tokens: the block's
-/// columns of `x` are packed into [`NR`]-wide strips, each group of [`MR`] rows of `g` into a
-/// `[KC][MR]` panel (`x`'s columns `m0 .. m0 + MR`, zero past the block), and [`tile_avx512`]
-/// multiplies the panel with every strip not wholly above the diagonal. Each output is `Σ` over
-/// the token blocks in order of one FMA chain per block, independent of the thread count.
+/// `[cols, cols]`, zero on entry) on a register tile of `M` rows × `N` columns of `g`
+/// ([`tile_avx512`]: 12 × 32, [`tile_avx2`]: 6 × 16): [`gemm_tiled`]'s blocking with the
+/// features as both sides. Per task (a `GRAM_TILE` block of `g`) and per [`KC`] tokens: the
+/// block's columns of `x` are packed into `N`-wide strips, each group of `M` rows of `g` into a
+/// `[KC][M]` panel (`x`'s columns `m0 .. m0 + M`, zero past the block), and `tile` multiplies
+/// the panel with every strip not wholly above the diagonal. Each output is `Σ` over the token
+/// blocks in order of one FMA chain per block, independent of the thread count. The AVX2 tile
+/// replaced the `gemm` crate here on 2026-12-07 (GPTQ's Hessians on an AVX2-only Zen 3,
+/// `docs/performance.md`, twenty-fifth session).
 ///
 /// # Safety
-/// AVX-512 F must be available; `x.len() == n · cols`, `g.len() == cols · cols`.
+/// The CPU runs `tile`, a tile of `M × N` (`M <= MR`, `N <= NR`); `x.len() == n · cols`,
+/// `g.len() == cols · cols`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn gram_avx512(x: &[f32], n: usize, cols: usize, g: &mut [f32]) {
+unsafe fn gram_tiled<const M: usize, const N: usize>(x: &[f32], n: usize, cols: usize, g: &mut [f32], tile: TileFn) {
     let blocks = lower_blocks(cols);
     let gp = SyncPtr(g.as_mut_ptr());
     blocks.into_par_iter().for_each(|(bi, bj)| {
         let (r0, r1) = (bi * GRAM_TILE, ((bi + 1) * GRAM_TILE).min(cols));
         let (c0, c1) = (bj * GRAM_TILE, ((bj + 1) * GRAM_TILE).min(cols));
-        let strips = (c1 - c0).div_ceil(NR);
+        let strips = (c1 - c0).div_ceil(N);
         PANELS.with(|panels| {
             let mut panels = panels.borrow_mut();
             let (wp, xp) = &mut *panels;
             wp.resize(KC * NC, 0.0);
-            xp.resize(KC * MR, 0.0);
+            xp.resize(KC * M, 0.0);
             for pc in (0..n).step_by(KC) {
                 let kc = KC.min(n - pc);
-                // Pack x[pc .. pc + kc, c0 .. c1] into strips [s][k][NR], zero past c1.
+                // Pack x[pc .. pc + kc, c0 .. c1] into strips [s][k][N], zero past c1.
                 for s in 0..strips {
-                    let (j0, j1) = (c0 + s * NR, (c0 + (s + 1) * NR).min(c1));
-                    let strip = &mut wp[s * KC * NR..s * KC * NR + kc * NR];
-                    pack_columns::<NR>(&x[pc * cols..(pc + kc) * cols], cols, j0, j1, strip);
+                    let (j0, j1) = (c0 + s * N, (c0 + (s + 1) * N).min(c1));
+                    let strip = &mut wp[s * KC * N..s * KC * N + kc * N];
+                    pack_columns::<N>(&x[pc * cols..(pc + kc) * cols], cols, j0, j1, strip);
                 }
-                for m0 in (r0..r1).step_by(MR) {
-                    // Pack x[pc .. pc + kc, m0 .. m0 + mr] as [k][MR], zero rows past mr.
-                    let mr = MR.min(r1 - m0);
-                    pack_columns::<MR>(&x[pc * cols..(pc + kc) * cols], cols, m0, m0 + mr, &mut xp[..kc * MR]);
+                for m0 in (r0..r1).step_by(M) {
+                    // Pack x[pc .. pc + kc, m0 .. m0 + mr] as [k][M], zero rows past mr.
+                    let mr = M.min(r1 - m0);
+                    pack_columns::<M>(&x[pc * cols..(pc + kc) * cols], cols, m0, m0 + mr, &mut xp[..kc * M]);
                     for s in 0..strips {
-                        let j0 = c0 + s * NR;
+                        let j0 = c0 + s * N;
                         if j0 >= m0 + mr {
                             // Wholly above the diagonal: mirrored from below afterwards.
                             break;
                         }
-                        let nv = NR.min(c1 - j0);
+                        let nv = N.min(c1 - j0);
                         // SAFETY: rows m0 .. m0 + mr, columns j0 .. j0 + nv of g belong to this
-                        // task's block only; the panel holds kc · MR floats, the strip kc · NR.
-                        unsafe { tile_avx512(kc, xp.as_ptr(), 1, MR, wp.as_ptr().add(s * KC * NR), gp.get().add(m0 * cols + j0), cols, mr, nv, pc == 0) };
+                        // task's block only; the panel holds kc · M floats, the strip kc · N;
+                        // the caller guarantees the CPU runs `tile`.
+                        unsafe { tile(kc, xp.as_ptr(), 1, M, wp.as_ptr().add(s * KC * N), gp.get().add(m0 * cols + j0), cols, mr, nv, pc == 0) };
                     }
                 }
             }

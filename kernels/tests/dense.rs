@@ -7,7 +7,7 @@
 //! instead).
 
 use deco_kernels::bf16::{self, PackedBf16, from_bf16_bits, to_bf16_bits};
-use deco_kernels::dense::{SMALL_N, gram, matmul, matmul_with};
+use deco_kernels::dense::{SMALL_N, gram, gram_with, matmul, matmul_with};
 use deco_kernels::quant::Isa;
 use deco_kernels::error::Error;
 use proptest::prelude::*;
@@ -87,16 +87,19 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     /// `xᵀx` from the lower blocks equals the f64 product within f32 accumulation error, is
-    /// exactly symmetric, and covers sizes across the 128-column blocks.
+    /// exactly symmetric, and covers sizes across the 128- and 192-column blocks, on every
+    /// instruction set this CPU has (the `gemm` crate, the AVX2 and the AVX-512 tiles).
     #[test]
     fn gram_matches_f64_reference(n in 1usize..=300, cols in 1usize..=300, seed in any::<u64>()) {
         let x = values(seed, n * cols);
-        let g = gram(&x, n, cols).expect("gram");
-        for i in 0..cols {
-            for j in 0..cols {
-                let (got, want) = (g[i * cols + j], gram_ref(&x, n, cols, i, j, exact));
-                prop_assert!(close(got, want), "n={n} cols={cols} ({i},{j}): {got} vs {want:?}");
-                prop_assert_eq!(g[i * cols + j].to_bits(), g[j * cols + i].to_bits());
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.is_available()) {
+            let g = gram_with(&x, n, cols, isa).expect("gram");
+            for i in 0..cols {
+                for j in 0..cols {
+                    let (got, want) = (g[i * cols + j], gram_ref(&x, n, cols, i, j, exact));
+                    prop_assert!(close(got, want), "{isa:?} n={n} cols={cols} ({i},{j}): {got} vs {want:?}");
+                    prop_assert_eq!(g[i * cols + j].to_bits(), g[j * cols + i].to_bits());
+                }
             }
         }
     }
@@ -164,7 +167,7 @@ fn simd_prefill_paths_are_batch_and_thread_invariant() {
     }
 }
 
-/// The Gram matrix across several token blocks (1,300 tokens: the AVX-512 path's blocks of 576
+/// The Gram matrix across several token blocks (1,300 tokens: the tiled paths' blocks of 576
 /// tokens, the last one ragged) and ragged column tiles (430 features: two full 192-wide tiles
 /// and a 46-wide one) against the f64 product, exactly symmetric, and the same bits on one
 /// thread as on the default pool.
