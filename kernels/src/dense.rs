@@ -229,6 +229,9 @@ pub fn gram_with(x: &[f32], n: usize, cols: usize, isa: Isa) -> Result<Vec<f32>>
         mirror_lower(&mut g, cols);
         return Ok(g);
     }
+    // Elsewhere every instruction set runs the `gemm` crate.
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     let nb = cols.div_ceil(GRAM_BLOCK);
     let blocks: Vec<(usize, usize)> = (0..nb).flat_map(|i| (0..=i).map(move |j| (i, j))).collect();
     let gp = SyncPtr(g.as_mut_ptr());
