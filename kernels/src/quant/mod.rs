@@ -1083,14 +1083,15 @@ impl PackedMatrix {
     /// An interleaved matrix (`interleave8`, which only happens when the x86 kernels exist) is
     /// first copied back to GGUF rows.
     fn matmul_portable_q8(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32]) {
+        let m = self.gguf();
         #[cfg(target_arch = "aarch64")]
         if std::arch::is_aarch64_feature_detected!("dotprod") {
-            return self.gguf().portable_q8_with::<neon::NeonDot>(qa, n, y);
+            m.portable_q8_with::<neon::NeonDot>(qa, n, y)
+        } else {
+            m.portable_q8_with::<neon::Neon>(qa, n, y)
         }
-        #[cfg(target_arch = "aarch64")]
-        return self.gguf().portable_q8_with::<neon::Neon>(qa, n, y);
         #[cfg(not(target_arch = "aarch64"))]
-        self.gguf().portable_q8_with::<scalar::PortableDot>(qa, n, y)
+        m.portable_q8_with::<scalar::PortableDot>(qa, n, y)
     }
 
     fn portable_q8_with<D: scalar::BlockDot>(&self, qa: &QuantizedActivations, n: usize, y: &mut [f32]) {

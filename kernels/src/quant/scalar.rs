@@ -6,34 +6,28 @@
 use super::{BLOCK, BlockType, QuantizedActivations, f16_at, q4k_scale_min, q6k_scales};
 
 /// The 32 weights of sub-block `k` (0..8) of the Q4_K block `blk` (ggml's
-/// `dequantize_row_q4_K`: `d·sc · q − dmin·m`). The shift is fixed per sub-block and the loop
-/// runs over whole slices, so that it vectorizes.
+/// `dequantize_row_q4_K`: `d·sc · q − dmin·m`) on the codes of [`q4k_codes`], over whole
+/// slices, so that the loop vectorizes.
 fn q4k_sub(blk: &[u8], k: usize, out: &mut [f32]) {
     let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
     let (sc, m) = q4k_scale_min(k, &blk[4..16]);
     let (d1, m1) = (d * sc as f32, dmin * m as f32);
-    let qs: &[u8; 32] = blk[16 + 32 * (k / 2)..][..32].try_into().expect("32 bytes");
     let out: &mut [f32; 32] = out.try_into().expect("32 weights");
-    let shift = 4 * (k % 2) as u32;
-    for (o, q) in out.iter_mut().zip(qs) {
-        *o = d1 * ((q >> shift) & 0xF) as f32 - m1;
+    for (o, q) in out.iter_mut().zip(q4k_codes(blk, k)) {
+        *o = d1 * q as f32 - m1;
     }
 }
 
 /// The 32 weights of sub-block `k` (0..8) of the Q6_K block `blk` (ggml's
-/// `dequantize_row_q6_K`: `d·sc · (q − 32)`, the codes of [`super::q6k_code`]), over whole slices
-/// with shifts fixed per sub-block, so that the loop vectorizes.
+/// `dequantize_row_q6_K`: `d·sc · (q − 32)`) on the codes of [`q6k_codes`], over whole slices,
+/// so that the loop vectorizes.
 fn q6k_sub(blk: &[u8], k: usize, out: &mut [f32]) {
     let (s0, s1) = q6k_scales(blk, k);
-    let (h, g) = (k / 4, k % 4);
-    let ql: &[u8; 32] = blk[64 * h + 32 * (g % 2)..][..32].try_into().expect("32 bytes");
-    let qh: &[u8; 32] = blk[super::Q6K_QH + 32 * h..][..32].try_into().expect("32 bytes");
-    let (lo_shift, hi_shift) = (4 * (g / 2) as u32, 2 * g as u32);
+    let q = q6k_codes(blk, k);
     let out: &mut [f32; 32] = out.try_into().expect("32 weights");
     for (half, s) in [(0usize, s0), (16, s1)] {
         for l in half..half + 16 {
-            let q = ((ql[l] >> lo_shift) & 0xF) | (((qh[l] >> hi_shift) & 3) << 4);
-            out[l] = s * (f32::from(q) - 32.0);
+            out[l] = s * (f32::from(q[l]) - 32.0);
         }
     }
 }
@@ -98,37 +92,21 @@ pub(super) fn dequant_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
         }
         return;
     }
+    // ggml's weights from the stored codes of `block32_codes`: Q8_0 `q·d`, Q4_0 `(q − 8)·d`,
+    // Q5_0 `(q − 16)·d`, Q4_1 `q·d + m`.
+    let off = code_offset(ty);
     for (blk, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(BLOCK)) {
         let d = f16_at(blk, 0);
-        match ty {
-            BlockType::Q8_0 => {
-                for (q, ov) in blk[2..].iter().zip(o.iter_mut()) {
-                    *ov = (*q as i8) as f32 * d;
-                }
+        let w = block32_codes(ty, blk);
+        if ty == BlockType::Q4_1 {
+            let m = f16_at(blk, 2);
+            for (ov, &q) in o.iter_mut().zip(&w) {
+                *ov = q as f32 * d + m;
             }
-            BlockType::Q4_0 => {
-                for (j, q) in blk[2..18].iter().enumerate() {
-                    o[j] = ((q & 15) as i32 - 8) as f32 * d;
-                    o[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
-                }
+        } else {
+            for (ov, &q) in o.iter_mut().zip(&w) {
+                *ov = (i32::from(q) - off) as f32 * d;
             }
-            BlockType::Q4_1 => {
-                let m = f16_at(blk, 2);
-                for (j, q) in blk[4..20].iter().enumerate() {
-                    o[j] = (q & 15) as f32 * d + m;
-                    o[j + 16] = (q >> 4) as f32 * d + m;
-                }
-            }
-            BlockType::Q5_0 => {
-                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                for (j, q) in blk[6..22].iter().enumerate() {
-                    let lo = ((q & 15) | ((((qh >> j) & 1) as u8) << 4)) as i32 - 16;
-                    let hi = ((q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4)) as i32 - 16;
-                    o[j] = lo as f32 * d;
-                    o[j + 16] = hi as f32 * d;
-                }
-            }
-            BlockType::Q4_K | BlockType::Q6_K => unreachable!("handled above"),
         }
     }
 }
@@ -195,6 +173,16 @@ fn block32_codes(ty: BlockType, blk: &[u8]) -> [i8; 32] {
         }
     }
     w
+}
+
+/// What ggml subtracts from the unsigned codes of [`block32_codes`]: 8 for Q4_0, 16 for Q5_0,
+/// 0 otherwise (Q8_0's codes are signed, Q4_1 adds its minimum instead).
+fn code_offset(ty: BlockType) -> i32 {
+    match ty {
+        BlockType::Q4_0 => 8,
+        BlockType::Q5_0 => 16,
+        _ => 0,
+    }
 }
 
 /// The 32 unsigned 4-bit codes of sub-block `k` (0..8) of the Q4_K block `blk`.
@@ -280,11 +268,7 @@ pub(super) fn q8_row<D: BlockDot>(ty: BlockType, row: &[u8], qa: &QuantizedActiv
             }
         }
         _ => {
-            let off = match ty {
-                BlockType::Q4_0 => 8,
-                BlockType::Q5_0 => 16,
-                _ => 0,
-            };
+            let off = code_offset(ty);
             for (b, blk) in row.chunks_exact(bb).enumerate() {
                 let d = f16_at(blk, 0);
                 let m = if ty == BlockType::Q4_1 { f16_at(blk, 2) } else { 0.0 };
