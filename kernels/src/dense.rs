@@ -311,58 +311,70 @@ pub(crate) fn lower_blocks(cols: usize) -> Vec<(usize, usize)> {
 /// The blocks on and below the diagonal of `g = xᵀ x` (`x` is `[n, cols]`, `g` is
 /// `[cols, cols]`, zero on entry) on a register tile of `M` rows × `N` columns of `g`
 /// ([`tile_avx512`]: 12 × 32, [`tile_avx2`]: 6 × 16): [`gemm_tiled`]'s blocking with the
-/// features as both sides. Per task (a `GRAM_TILE` block of `g`) and per [`KC`] tokens: the
-/// block's columns of `x` are packed into `N`-wide strips, each group of `M` rows of `g` into a
-/// `[KC][M]` panel (`x`'s columns `m0 .. m0 + M`, zero past the block), and `tile` multiplies
-/// the panel with every strip not wholly above the diagonal. Each output is `Σ` over the token
-/// blocks in order of one FMA chain per block, independent of the thread count. The AVX2 tile
-/// replaced the `gemm` crate here on 2026-12-07 (GPTQ's Hessians on an AVX2-only Zen 3,
-/// `docs/performance.md`, twenty-fifth session).
+/// features as both sides. Per [`KC`] tokens: first all of `x[pc .. pc + kc, ..]` is packed,
+/// once, into `[KC][M]` panels (columns `m0 .. m0 + M`, zero past `cols`) and `N`-wide strips
+/// (`[KC][N]`), in parallel over column ranges; then, one task per `GRAM_TILE` block of `g`,
+/// `tile` multiplies each of the block's panels with every strip of the block not wholly above
+/// the diagonal. Each output is `Σ` over the token blocks in order of one FMA chain per block,
+/// independent of the thread count. The AVX2 tile replaced the `gemm` crate here on 2026-12-07
+/// (GPTQ's Hessians on an AVX2-only Zen 3, `docs/performance.md`, twenty-fifth session); until
+/// the twenty-sixth session every task packed its block's panels itself, gathering `M` floats
+/// from each of `kc` rows `cols` floats apart once per block, 7 % of a GPTQ run there.
 ///
 /// # Safety
-/// The CPU runs `tile`, a tile of `M × N` (`M <= MR`, `N <= NR`); `x.len() == n · cols`,
-/// `g.len() == cols · cols`.
+/// The CPU runs `tile`, a tile of `M × N` (`M <= MR`, `N <= NR`, both dividing
+/// [`GRAM_TILE`]); `x.len() == n · cols`, `g.len() == cols · cols`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn gram_tiled<const M: usize, const N: usize>(x: &[f32], n: usize, cols: usize, g: &mut [f32], tile: TileFn) {
+    debug_assert!(GRAM_TILE.is_multiple_of(M) && GRAM_TILE.is_multiple_of(N));
     let blocks = lower_blocks(cols);
     let gp = SyncPtr(g.as_mut_ptr());
-    blocks.into_par_iter().for_each(|(bi, bj)| {
-        let (r0, r1) = (bi * GRAM_TILE, ((bi + 1) * GRAM_TILE).min(cols));
-        let (c0, c1) = (bj * GRAM_TILE, ((bj + 1) * GRAM_TILE).min(cols));
-        let strips = (c1 - c0).div_ceil(N);
-        PANELS.with(|panels| {
-            let mut panels = panels.borrow_mut();
-            let (wp, xp) = &mut *panels;
-            wp.resize(KC * NC, 0.0);
-            xp.resize(KC * M, 0.0);
-            for pc in (0..n).step_by(KC) {
-                let kc = KC.min(n - pc);
-                // Pack x[pc .. pc + kc, c0 .. c1] into strips [s][k][N], zero past c1.
-                for s in 0..strips {
-                    let (j0, j1) = (c0 + s * N, (c0 + (s + 1) * N).min(c1));
-                    let strip = &mut wp[s * KC * N..s * KC * N + kc * N];
-                    pack_columns::<N>(&x[pc * cols..(pc + kc) * cols], cols, j0, j1, strip);
+    let (groups, strips) = (cols.div_ceil(M), cols.div_ceil(N));
+    let mut panels = vec![0.0f32; groups * KC * M];
+    let mut stripv = vec![0.0f32; strips * KC * N];
+    for pc in (0..n).step_by(KC) {
+        let kc = KC.min(n - pc);
+        let xs = &x[pc * cols..(pc + kc) * cols];
+        // Pack x[pc .. pc + kc, ..]: panel p holds columns p·M .., strip s columns s·N ..; a
+        // task packs the panels and strips of GRAM_TILE columns (a few hundred KiB of x).
+        let per_block_p = GRAM_TILE / M;
+        let per_block_s = GRAM_TILE / N;
+        panels
+            .par_chunks_mut(per_block_p * KC * M)
+            .zip(stripv.par_chunks_mut(per_block_s * KC * N))
+            .enumerate()
+            .for_each(|(b, (pp, ss))| {
+                for (i, d) in pp.chunks_mut(KC * M).enumerate() {
+                    let j0 = (b * per_block_p + i) * M;
+                    pack_columns::<M>(xs, cols, j0, (j0 + M).min(cols), &mut d[..kc * M]);
                 }
-                for m0 in (r0..r1).step_by(M) {
-                    // Pack x[pc .. pc + kc, m0 .. m0 + mr] as [k][M], zero rows past mr.
-                    let mr = M.min(r1 - m0);
-                    pack_columns::<M>(&x[pc * cols..(pc + kc) * cols], cols, m0, m0 + mr, &mut xp[..kc * M]);
-                    for s in 0..strips {
-                        let j0 = c0 + s * N;
-                        if j0 >= m0 + mr {
-                            // Wholly above the diagonal: mirrored from below afterwards.
-                            break;
-                        }
-                        let nv = N.min(c1 - j0);
-                        // SAFETY: rows m0 .. m0 + mr, columns j0 .. j0 + nv of g belong to this
-                        // task's block only; the panel holds kc · M floats, the strip kc · N;
-                        // the caller guarantees the CPU runs `tile`.
-                        unsafe { tile(kc, xp.as_ptr(), 1, M, wp.as_ptr().add(s * KC * N), gp.get().add(m0 * cols + j0), cols, mr, nv, pc == 0) };
+                for (i, d) in ss.chunks_mut(KC * N).enumerate() {
+                    let j0 = (b * per_block_s + i) * N;
+                    pack_columns::<N>(xs, cols, j0, (j0 + N).min(cols), &mut d[..kc * N]);
+                }
+            });
+        let (panels, stripv) = (&panels, &stripv);
+        blocks.par_iter().for_each(|&(bi, bj)| {
+            let (r0, r1) = (bi * GRAM_TILE, ((bi + 1) * GRAM_TILE).min(cols));
+            let (c0, c1) = (bj * GRAM_TILE, ((bj + 1) * GRAM_TILE).min(cols));
+            for m0 in (r0..r1).step_by(M) {
+                let mr = M.min(r1 - m0);
+                let panel = &panels[(m0 / M) * KC * M..][..kc * M];
+                for j0 in (c0..c1).step_by(N) {
+                    if j0 >= m0 + mr {
+                        // Wholly above the diagonal: mirrored from below afterwards.
+                        break;
                     }
+                    let nv = N.min(c1 - j0);
+                    let strip = &stripv[(j0 / N) * KC * N..][..kc * N];
+                    // SAFETY: rows m0 .. m0 + mr, columns j0 .. j0 + nv of g belong to this
+                    // task's block only; the panel holds kc · M floats, the strip kc · N;
+                    // the caller guarantees the CPU runs `tile`.
+                    unsafe { tile(kc, panel.as_ptr(), 1, M, strip.as_ptr(), gp.get().add(m0 * cols + j0), cols, mr, nv, pc == 0) };
                 }
             }
         });
-    });
+    }
 }
 
 /// The streaming loop over weight rows `rows`: `acc[t, ..] = Σ_{i ∈ rows} x[t, i] · w[i, ..]`
