@@ -115,10 +115,14 @@ pub fn sparsegpt_prune(w: &[f32], rows: usize, cols: usize, hessian: &Hessian, p
                         w * w / (d * d)
                     })
                     .collect();
-                // Rank in the reference's flattening order (row-major W1[:, i1:i2]), ties by it.
+                // The k lowest in the order (saliency, then the reference's flattening order,
+                // row-major W1[:, i1:i2]): a total order, so selecting them (O(len), Hoare's
+                // quickselect) gives the same set as sorting the whole block.
                 let mut idx: Vec<usize> = (0..count * rows).collect();
                 let key = |f: usize| (f % rows) * count + f / rows;
-                idx.sort_by(|&a, &b| tmp[a].total_cmp(&tmp[b]).then(key(a).cmp(&key(b))));
+                if k < idx.len() {
+                    idx.select_nth_unstable_by(k, |&a, &b| tmp[a].total_cmp(&tmp[b]).then(key(a).cmp(&key(b))));
+                }
                 let mut pruned = vec![false; count * rows];
                 for &f in &idx[..k] {
                     pruned[f] = true;
