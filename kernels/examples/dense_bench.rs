@@ -4,7 +4,8 @@
 //! what ran before deco's AVX2 tile) in the same run. `DECO_KERNELS=avx2` holds an AVX-512 CPU
 //! to the AVX2 kernels, for an A/B of the same binary. On CPUs with AVX-512 BF16 each line also gives
 //! the bf16 products of the compression jobs' calibration (`deco_kernels::bf16`) on the same
-//! inputs, measured in the same run.
+//! inputs, measured in the same run; on CPUs with AVX2, the 16-bit integer products
+//! (`deco_kernels::int16`) likewise.
 //!
 //! `cargo run --release -p deco-kernels --example dense_bench -- [tokens]`
 //!
@@ -33,7 +34,14 @@ fn main() {
         return;
     }
     let bf16 = deco_kernels::bf16::available();
-    println!("isa {:?}, {} threads, {n} tokens, bf16 products {}", deco_kernels::quant::Isa::detect(), rayon::current_num_threads(), if bf16 { "too" } else { "not available" });
+    let int16 = deco_kernels::int16::available();
+    println!(
+        "isa {:?}, {} threads, {n} tokens, bf16 products {}, int16 products {}",
+        deco_kernels::quant::Isa::detect(),
+        rayon::current_num_threads(),
+        if bf16 { "too" } else { "not available" },
+        if int16 { "too" } else { "not available" }
+    );
     for (inner, out, what) in [(576, 576, "q/o"), (576, 192, "k/v"), (576, 960, "q+k+v"), (576, 1536, "gate/up"), (576, 3072, "gate+up"), (1536, 576, "down")] {
         let x: Vec<f32> = (0..n * inner).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
         let w: Vec<f32> = (0..inner * out).map(|i| ((i * 104_729) % 1000) as f32 * 1e-3 - 0.5).collect();
@@ -45,6 +53,11 @@ fn main() {
             let p = deco_kernels::bf16::PackedBf16::new(&w, inner, out).expect("pack");
             let med = median_secs(18, 3, || deco_kernels::bf16::matmul(&x, n, &p, &mut y).expect("bf16 matmul"));
             print!("   bf16 {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
+        }
+        if int16 {
+            let p = deco_kernels::int16::PackedInt16::new(&w, inner, out).expect("pack");
+            let med = median_secs(18, 3, || deco_kernels::int16::matmul(&x, n, &p, &mut y).expect("int16 matmul"));
+            print!("   int16 {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
         }
         println!();
     }
@@ -67,6 +80,12 @@ fn main() {
                 std::hint::black_box(deco_kernels::bf16::gram(&x, n, cols).expect("bf16 gram"));
             });
             print!("   bf16 {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
+        }
+        if int16 {
+            let med = median_secs(8, 2, || {
+                std::hint::black_box(deco_kernels::int16::gram(&x, n, cols).expect("int16 gram"));
+            });
+            print!("   int16 {:7.3} ms  {:6.1} GFLOP/s", med * 1e3, flop / med * 1e-9);
         }
         println!();
     }

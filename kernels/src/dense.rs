@@ -502,7 +502,7 @@ pub(crate) fn par_output_tiles(n: usize, out: usize, f: impl Fn(usize, usize, us
 
 /// [`par_output_tiles`] for register tiles of `mr` tokens × `nr` columns.
 #[cfg(target_arch = "x86_64")]
-fn par_output_tiles_of(n: usize, out: usize, mr: usize, nr: usize, f: impl Fn(usize, usize, usize, usize) + Sync) {
+pub(crate) fn par_output_tiles_of(n: usize, out: usize, mr: usize, nr: usize, f: impl Fn(usize, usize, usize, usize) + Sync) {
     let threads = rayon::current_num_threads().max(1);
     let target = 4 * threads;
     let col_chunk = out.div_ceil(target).next_multiple_of(nr).max(128).min(out.next_multiple_of(nr));

@@ -25,6 +25,7 @@ pub mod cube;
 pub mod dense;
 pub mod device;
 pub mod error;
+pub mod int16;
 pub mod ops;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]

@@ -157,6 +157,13 @@ pub enum CalibDtype {
     /// precision class of the reference GPTQ / AWQ implementations' fp16 / bf16 GPU forwards.
     /// Norms, attention, SwiGLU and the residual stream stay f32.
     Bf16,
+    /// 16-bit integer inputs scaled per block of 64 values (per token for the activations, per
+    /// output column for the weights, per feature and 64 tokens for the Hessians' inputs;
+    /// 13.5 bits relative to the block's largest value), exact integer block sums, f32 across
+    /// blocks ([`deco_kernels::int16`], AVX2 `vpmaddwd`): the same class of approximation for
+    /// CPUs without AVX-512 BF16. Opt-in. Norms, attention, SwiGLU and the residual stream stay
+    /// f32.
+    Int16,
 }
 
 impl CalibDtype {
@@ -224,13 +231,18 @@ impl Calibrator {
     /// The runner with its linear layers' products in `dtype` (f32 by default).
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for [`CalibDtype::Bf16`] where it cannot run: a device other than
-    /// the CPU without autodiff, or a CPU without AVX-512 BF16.
+    /// [`Error::InvalidInput`] for [`CalibDtype::Bf16`] or [`CalibDtype::Int16`] where it cannot
+    /// run: a device other than the CPU without autodiff, or a CPU without AVX-512 BF16 (bf16) or
+    /// AVX2 (int16).
     pub fn with_dtype(mut self, dtype: CalibDtype) -> Result<Self> {
         if dtype == CalibDtype::Bf16 && !bf16_host(&self.device) {
             return Err(Error::InvalidInput(
                 "bf16 calibration needs the CPU device (flex, no autodiff) on a CPU with AVX-512 BF16; use f32".into(),
             ));
+        }
+        let host = self.device == Device::flex() && !self.device.is_autodiff();
+        if dtype == CalibDtype::Int16 && !(host && deco_kernels::int16::available()) {
+            return Err(Error::InvalidInput("int16 calibration needs the CPU device (flex, no autodiff) on an x86-64 CPU with AVX2; use f32".into()));
         }
         self.dtype = dtype;
         Ok(self)
@@ -274,13 +286,13 @@ impl Calibrator {
     }
 
     /// Uploads a layer's weights (fusing Q/K/V and gate/up as the model does), dense f32, or
-    /// rounded to bf16 and packed for bf16 products under [`CalibDtype::Bf16`] (no f32 copy).
+    /// packed for the products of [`CalibDtype::Bf16`] / [`CalibDtype::Int16`] (no f32 copy).
     pub fn upload(&self, w: &LayerWeights) -> DecoderLayer {
         let cfg = &self.cfg;
         let d = &self.device;
         let fused = |ls: &[Linear]| -> LinearWeight {
             let parts: Vec<(&[f32], usize)> = ls.iter().map(|&l| (w.linear(l), l.dims(cfg).0)).collect();
-            LinearWeight::dense_fused_as(&parts, ls[0].dims(cfg).1, d, self.dtype == CalibDtype::Bf16)
+            LinearWeight::dense_fused_as(&parts, ls[0].dims(cfg).1, d, self.dtype)
         };
         let t1 = |v: &[f32]| Tensor::from_data(TensorData::new(v.to_vec(), [v.len()]), d);
         DecoderLayer {
@@ -314,8 +326,8 @@ impl Calibrator {
 
     /// [`Calibrator::upload_replacing`] with the replaced linears given row by row:
     /// `row(l, r, buf)` writes row `r` (`[in]`) of linear `l` ∈ `replaced` into `buf`. It is
-    /// called concurrently, once per row; under [`CalibDtype::Bf16`] the rows go straight into
-    /// the packed bf16 weight ([`LinearWeight::dense_fused_rows_as`]), so a candidate computed
+    /// called concurrently, once per row; under [`CalibDtype::Bf16`] or [`CalibDtype::Int16`]
+    /// the rows go straight into the packed weight ([`LinearWeight::dense_fused_rows_as`]), so a candidate computed
     /// row by row (AWQ's scaled and quantized weights) is never held as a whole f32 matrix.
     pub fn upload_rows(&self, base: &DecoderLayer, w: &LayerWeights, replaced: &[Linear], row: &(dyn Fn(Linear, usize, &mut [f32]) + Sync)) -> DecoderLayer {
         let cfg = &self.cfg;
@@ -326,7 +338,7 @@ impl Calibrator {
             }
             let outs: Vec<usize> = ls.iter().map(|l| l.dims(cfg).0).collect();
             let inner = ls[0].dims(cfg).1;
-            LinearWeight::dense_fused_rows_as(&outs, inner, d, self.dtype == CalibDtype::Bf16, &|i, r, buf| {
+            LinearWeight::dense_fused_rows_as(&outs, inner, d, self.dtype, &|i, r, buf| {
                 let l = ls[i];
                 if replaced.contains(&l) {
                     row(l, r, buf);

@@ -38,6 +38,7 @@ use deco_kernels::ops::{RopeTable, rope_inv_freq, swiglu};
 use deco_kernels::quant::PackedMatrix;
 use std::sync::Arc;
 
+use crate::calibrate::CalibDtype;
 use crate::{Error, Result};
 
 /// Where a linear layer reads its input.
@@ -405,6 +406,7 @@ impl LinearWeight {
                 let mut y = deco_kernels::team::zeroed(n * w.out);
                 crate::host::with_host(&x, |xs| match &w.weights {
                     HostWeights::Bf16(p) => deco_kernels::bf16::matmul(xs, n, p, &mut y),
+                    HostWeights::Int16(p) => deco_kernels::int16::matmul(xs, n, p, &mut y),
                     HostWeights::F32(data) => deco_kernels::dense::matmul(xs, n, data, w.inner, w.out, &mut y),
                 })?
                 .map_err(|e| Error::InvalidInput(e.to_string()))?;
@@ -456,6 +458,7 @@ impl LinearWeight {
                 let data = match &w.weights {
                     HostWeights::F32(data) => data.clone(),
                     HostWeights::Bf16(p) => p.unpack(),
+                    HostWeights::Int16(p) => p.unpack(),
                 };
                 Ok(Tensor::from_data(TensorData::new(data, [w.inner, w.out]), device))
             }
@@ -525,18 +528,19 @@ impl LinearWeight {
     /// same input, fused along the output dimension ([`crate::host::fuse_transposed`]) and
     /// uploaded to `device` as `[inner, Σ out_i]`.
     pub fn dense_fused(parts: &[(&[f32], usize)], inner: usize, device: &Device) -> Self {
-        Self::dense_fused_as(parts, inner, device, false)
+        Self::dense_fused_as(parts, inner, device, CalibDtype::F32)
     }
 
-    /// [`LinearWeight::dense_fused`], or with `bf16` on the host the same weight rounded to
-    /// bf16 and packed for bf16 products ([`HostWeights::Bf16`], straight from the `[out_i,
-    /// inner]` rows); `bf16` is ignored off the host (the caller checks
-    /// [`deco_kernels::bf16::available`] and the device first, see
+    /// [`LinearWeight::dense_fused`] in the precision of `dtype`'s products on the host: f32,
+    /// or the same weight rounded to bf16 and packed for bf16 products ([`HostWeights::Bf16`]),
+    /// or quantized to 16-bit block-scaled integers and packed for their products
+    /// ([`HostWeights::Int16`]), straight from the `[out_i, inner]` rows. `dtype` is ignored off
+    /// the host (the caller checks the kernels' `available` and the device first, see
     /// [`crate::calibrate::Calibrator::with_dtype`]).
-    pub fn dense_fused_as(parts: &[(&[f32], usize)], inner: usize, device: &Device, bf16: bool) -> Self {
-        if bf16 && Self::host_dense(device) {
+    pub fn dense_fused_as(parts: &[(&[f32], usize)], inner: usize, device: &Device, dtype: CalibDtype) -> Self {
+        if dtype != CalibDtype::F32 && Self::host_dense(device) {
             let outs: Vec<usize> = parts.iter().map(|p| p.1).collect();
-            return Self::dense_fused_rows_as(&outs, inner, device, true, &|i, r, buf| buf.copy_from_slice(&parts[i].0[r * inner..(r + 1) * inner]));
+            return Self::dense_fused_rows_as(&outs, inner, device, dtype, &|i, r, buf| buf.copy_from_slice(&parts[i].0[r * inner..(r + 1) * inner]));
         }
         let total: usize = parts.iter().map(|p| p.1).sum();
         let fused = crate::host::fuse_transposed(parts, inner);
@@ -548,14 +552,14 @@ impl LinearWeight {
 
     /// [`LinearWeight::dense_fused_as`] of weights given row by row: part `i` has `outs[i]`
     /// output rows, and `row(i, r, buf)` writes row `r` of part `i` (`[inner]`, the
-    /// `[out_i, inner]` layout) into `buf`. `row` is called concurrently, once per row. With
-    /// `bf16` on the host the rows go straight into the packed bf16 weight
-    /// ([`deco_kernels::bf16::PackedBf16::from_rows`]) without an f32 copy of the whole weight;
-    /// otherwise they are collected first. For weights computed row by row (AWQ's scale
-    /// candidates, see `deco_quant::awq`).
-    pub fn dense_fused_rows_as(outs: &[usize], inner: usize, device: &Device, bf16: bool, row: &(dyn Fn(usize, usize, &mut [f32]) + Sync)) -> Self {
+    /// `[out_i, inner]` layout) into `buf`. `row` is called concurrently, once per row. Under
+    /// bf16 or int16 on the host the rows go straight into the packed weight
+    /// ([`deco_kernels::bf16::PackedBf16::from_rows`], [`deco_kernels::int16::PackedInt16::from_rows`])
+    /// without an f32 copy of the whole weight; otherwise they are collected first. For weights
+    /// computed row by row (AWQ's scale candidates, see `deco_quant::awq`).
+    pub fn dense_fused_rows_as(outs: &[usize], inner: usize, device: &Device, dtype: CalibDtype, row: &(dyn Fn(usize, usize, &mut [f32]) + Sync)) -> Self {
         let total: usize = outs.iter().sum();
-        if bf16 && Self::host_dense(device) {
+        if dtype != CalibDtype::F32 && Self::host_dense(device) {
             // Output o of the fused weight is row o - start_i of the part i it falls in.
             let part_of = |o: usize| -> (usize, usize) {
                 let mut start = 0;
@@ -565,13 +569,18 @@ impl LinearWeight {
                     }
                     start += n;
                 }
-                unreachable!("PackedBf16::from_rows asks for rows below the total only")
+                unreachable!("from_rows asks for rows below the total only")
             };
-            let packed = deco_kernels::bf16::PackedBf16::from_rows(inner, total, |o, buf| {
+            let fused_row = |o: usize, buf: &mut [f32]| {
                 let (i, r) = part_of(o);
                 row(i, r, buf);
-            });
-            return LinearWeight::Host(Arc::new(HostDense { inner, out: total, weights: HostWeights::Bf16(packed) }));
+            };
+            let weights = if dtype == CalibDtype::Int16 {
+                HostWeights::Int16(deco_kernels::int16::PackedInt16::from_rows(inner, total, fused_row))
+            } else {
+                HostWeights::Bf16(deco_kernels::bf16::PackedBf16::from_rows(inner, total, fused_row))
+            };
+            return LinearWeight::Host(Arc::new(HostDense { inner, out: total, weights }));
         }
         let mats: Vec<Vec<f32>> = outs
             .iter()
@@ -583,7 +592,7 @@ impl LinearWeight {
             })
             .collect();
         let parts: Vec<(&[f32], usize)> = mats.iter().zip(outs).map(|(m, &n)| (m.as_slice(), n)).collect();
-        Self::dense_fused_as(&parts, inner, device, false)
+        Self::dense_fused_as(&parts, inner, device, CalibDtype::F32)
     }
 
     /// Whether dense weights for `device` live on the host ([`LinearWeight::Host`]): the CPU
@@ -614,6 +623,11 @@ pub enum HostWeights {
     /// f32 sums) in every call: the calibration passes of
     /// [`crate::calibrate::CalibDtype::Bf16`]. No f32 copy is kept.
     Bf16(deco_kernels::bf16::PackedBf16),
+    /// Quantized to 16-bit integers per output column and block of 64 inputs and packed for
+    /// [`deco_kernels::int16::matmul`] (activations quantized likewise per token, exact integer
+    /// block sums, f32 across blocks): the calibration passes of
+    /// [`crate::calibrate::CalibDtype::Int16`]. No f32 copy is kept.
+    Int16(deco_kernels::int16::PackedInt16),
 }
 
 /// One decoder layer's weights as the model runs them: norms on the device, Q/K/V and gate/up

@@ -151,15 +151,18 @@ pub fn calibration_windows(tokens: &[u32], nsamples: usize, seqlen: usize, seed:
 /// `xᵀx` (`[cols, cols]`, f64 on the host) of a `[tokens, cols]` calibration tensor, for the
 /// Hessians of GPTQ and SparseGPT: on the CPU through the half-work symmetric kernel
 /// ([`deco_kernels::dense::gram`], or [`deco_kernels::bf16::gram`] of the bf16-rounded `x` under
-/// [`CalibDtype::Bf16`]), on a GPU as a device matmul.
+/// [`CalibDtype::Bf16`], [`deco_kernels::int16::gram`] under [`CalibDtype::Int16`]), on a GPU as
+/// a device matmul.
 ///
 /// # Errors
-/// A failed device read; [`Error::Calibration`] for bf16 on a CPU without AVX-512 BF16.
+/// A failed device read; [`Error::Calibration`] for bf16 on a CPU without AVX-512 BF16, int16
+/// on one without AVX2.
 pub fn gram(x: &Tensor<2>, dtype: CalibDtype) -> Result<Vec<f64>> {
     if x.device() == Device::flex() {
         let [n, cols] = x.dims();
         let g = with_host(x, |xs| match dtype {
             CalibDtype::Bf16 => deco_kernels::bf16::gram(xs, n, cols),
+            CalibDtype::Int16 => deco_kernels::int16::gram(xs, n, cols),
             CalibDtype::F32 => deco_kernels::dense::gram(xs, n, cols),
         })?
         .map_err(|e| Error::Calibration(format!("Gram matrix: {e}")))?;
