@@ -684,12 +684,28 @@ unsafe fn tile_avx2(kc: usize, a: *const f32, rs: usize, cs: usize, wp: *const f
             }
         }
     }
-    let mut tmp = [0.0f32; NR_AVX2];
+    // SAFETY: forwarded from the caller.
+    unsafe { store_tile_avx2(&acc, y, ldy, mr, nv, first) };
+}
+
+/// The end of an AVX2 register tile of `M` rows × 16 columns ([`tile_avx2`],
+/// [`crate::int16`]'s): `y[i, j] = acc[i, j]` (`first`) or `y[i, j] += acc[i, j]` for the first
+/// `mr` rows and `nv` columns (a full row with two vector stores, a partial one through a local
+/// copy).
+///
+/// # Safety
+/// AVX2; `y` (row stride `ldy`) writable for `mr <= M` rows of `nv <= 16` columns.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) unsafe fn store_tile_avx2<const M: usize>(acc: &[[std::arch::x86_64::__m256; 2]; M], y: *mut f32, ldy: usize, mr: usize, nv: usize, first: bool) {
+    use std::arch::x86_64::*;
+    let mut tmp = [0.0f32; 16];
     for (i, row) in acc.iter().enumerate().take(mr) {
         // SAFETY: row i < mr of y, columns below nv (the caller's contract); `tmp` is local.
         unsafe {
             let p = y.add(i * ldy);
-            if nv == NR_AVX2 {
+            if nv == 16 {
                 let (mut v0, mut v1) = (row[0], row[1]);
                 if !first {
                     v0 = _mm256_add_ps(_mm256_loadu_ps(p), v0);

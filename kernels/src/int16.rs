@@ -568,28 +568,8 @@ unsafe fn tile(kb: usize, a: *const u32, rs: usize, cs: usize, sa: *const f32, s
             }
         }
     }
-    let mut tmp = [0.0f32; NR];
-    for (i, row) in f.iter().enumerate().take(mr) {
-        // SAFETY: row i < mr of y, columns below nv (the caller's contract); `tmp` is local.
-        unsafe {
-            let p = y.add(i * ldy);
-            if nv == NR {
-                let (mut v0, mut v1) = (row[0], row[1]);
-                if !first {
-                    v0 = _mm256_add_ps(_mm256_loadu_ps(p), v0);
-                    v1 = _mm256_add_ps(_mm256_loadu_ps(p.add(8)), v1);
-                }
-                _mm256_storeu_ps(p, v0);
-                _mm256_storeu_ps(p.add(8), v1);
-            } else {
-                _mm256_storeu_ps(tmp.as_mut_ptr(), row[0]);
-                _mm256_storeu_ps(tmp.as_mut_ptr().add(8), row[1]);
-                for (j, &v) in tmp.iter().enumerate().take(nv) {
-                    *p.add(j) = if first { v } else { *p.add(j) + v };
-                }
-            }
-        }
-    }
+    // SAFETY: forwarded from the caller.
+    unsafe { crate::dense::store_tile_avx2(&f, y, ldy, mr, nv, first) };
 }
 
 #[cfg(test)]
