@@ -6,10 +6,12 @@
 //! row (activations: per token; weights: per output column; the Gram matrix's `x`: per feature
 //! and block of tokens) is stored as `scale · code` with `scale = max |v| / QMAX` and
 //! `code = round(v / scale)` in `[-QMAX, QMAX]` ([`quantize_block`]): 13.5 bits relative to the
-//! block's largest value, finer than bf16's 8 significant bits for every value within 2⁻⁵ of it.
+//! block's largest value, finer than bf16's 8 significant bits for every value above 1/22 of it.
 //! `vpmaddwd` multiplies 16 pairs of 16-bit codes and adds each pair into a 32-bit lane: 16
-//! multiply-adds per instruction against 8 for an f32 FMA, at the same throughput on Zen 3 and
-//! Intel's AVX2 cores. A block's sum `Σ code_x · code_w` is exact in i32 (`BLOCK · QMAX² <
+//! multiply-adds per instruction against 8 for an f32 FMA, at the FMA's instruction rate on the
+//! AVX2-only Zen 3 this was measured on (docs/performance.md, twenty-sixth session; the 6 × 16
+//! tile reaches 1.1-1.45× the f32 tile there, presumably held back by its loads and broadcasts). A
+//! block's sum `Σ code_x · code_w` is exact in i32 (`BLOCK · QMAX² <
 //! 2³¹`); it is converted to f32 once per block and added as `sum · (scale_x · scale_w)` with
 //! one FMA, so each output is a fixed chain over the blocks, in order: its bits depend on
 //! neither the other tokens nor the thread count.
