@@ -148,7 +148,7 @@ pub fn prune_model(
     for li in 0..cfg.num_hidden_layers {
         let mut lw = LayerWeights::fetch(cfg, li, tensor)?;
         let dl = c.upload(&lw);
-        let (inputs, _) = c.layer_capture(&dl, x.clone())?;
+        let inputs = c.site_inputs(&dl, x.clone())?;
         let mut masks = Vec::with_capacity(Linear::ALL.len());
         let groups: [(usize, &[Linear]); 4] = [
             (0, &[Linear::Q, Linear::K, Linear::V]),

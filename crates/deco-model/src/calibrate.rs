@@ -428,6 +428,23 @@ impl Calibrator {
         Ok(([a, b, c, d], out))
     }
 
+    /// The input of every site, `[attn_in, attn_out, mlp_in, down_in]` as
+    /// [`Calibrator::layer_capture`] captures them (the same stages, so the same bits), without
+    /// the layer's output: down_proj's product and the last residual add are not computed
+    /// (a quarter of the layer's multiply-adds). For callers that discard the output (Wanda's
+    /// and SparseGPT's capture pass, whose next-layer input comes from the pruned weights).
+    ///
+    /// # Errors
+    /// As [`Calibrator::attention`].
+    pub fn site_inputs(&self, l: &DecoderLayer, x: Tensor<2>) -> Result<[Tensor<2>; 4]> {
+        let xn = self.attn_in(l, x.clone());
+        let a = self.attention(l, xn.clone())?;
+        let x2 = self.attn_residual(l, x, a.clone())?;
+        let xn2 = self.mlp_in(l, x2);
+        let h = self.swiglu_out(l, xn2.clone())?;
+        Ok([xn, a, xn2, h])
+    }
+
     /// Full-model logits of every position of every window, `[tokens, vocab]`, through layers
     /// fetched one at a time from `layer_weights` (so only one layer is on the device at once),
     /// then `rms_norm(·, norm)` and `lm_head` (`[vocab, hidden]`, e.g. the tied embedding).

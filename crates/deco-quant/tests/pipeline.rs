@@ -250,7 +250,13 @@ fn layer_output_errors_match_direct_products() {
     let n = c.tokens();
     for li in 0..LAYERS {
         let lw = LayerWeights::fetch(&f.cfg, li, &src).unwrap();
-        let (inputs, y) = c.layer_capture(&c.upload(&lw), x).unwrap();
+        let dl = c.upload(&lw);
+        // The output-less capture (Wanda's and SparseGPT's) gives the same inputs, bit for bit.
+        let sites = c.site_inputs(&dl, x.clone()).unwrap();
+        let (inputs, y) = c.layer_capture(&dl, x).unwrap();
+        for (a, b) in sites.iter().zip(&inputs) {
+            assert_eq!(to_host(a.clone()).unwrap(), to_host(b.clone()).unwrap(), "layer {li}: site_inputs differs from layer_capture");
+        }
         for l in Linear::ALL {
             let (o, i) = l.dims(&f.cfg);
             let xin = to_host(inputs[l.site() as usize].clone()).unwrap();
