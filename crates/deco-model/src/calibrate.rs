@@ -176,7 +176,13 @@ impl CalibDtype {
 
 /// Whether bf16 calibration products run on `device`.
 fn bf16_host(device: &Device) -> bool {
-    *device == Device::flex() && !device.is_autodiff() && deco_kernels::bf16::available()
+    cpu_host(device) && deco_kernels::bf16::available()
+}
+
+/// Whether `device` runs the calibration products on the host: the CPU device without
+/// autodiff (where [`LinearWeight`]s are host weights and the low-precision kernels apply).
+fn cpu_host(device: &Device) -> bool {
+    *device == Device::flex() && !device.is_autodiff()
 }
 
 /// Runs decoder layers stage by stage over a fixed batch of independent windows (each starting
@@ -240,8 +246,7 @@ impl Calibrator {
                 "bf16 calibration needs the CPU device (flex, no autodiff) on a CPU with AVX-512 BF16; use f32".into(),
             ));
         }
-        let host = self.device == Device::flex() && !self.device.is_autodiff();
-        if dtype == CalibDtype::Int16 && !(host && deco_kernels::int16::available()) {
+        if dtype == CalibDtype::Int16 && !(cpu_host(&self.device) && deco_kernels::int16::available()) {
             return Err(Error::InvalidInput("int16 calibration needs the CPU device (flex, no autodiff) on an x86-64 CPU with AVX2; use f32".into()));
         }
         self.dtype = dtype;
